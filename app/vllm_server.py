@@ -1,0 +1,101 @@
+"""``python -m app.vllm_server``: start vLLM's OpenAI server with the flags prefixrag relies on.
+
+Prefix caching and chunked prefill are always on, and ``--enable-prompt-tokens-details`` makes every response
+report ``cached_tokens``. The exact command is printed before it runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import sys
+from pathlib import Path
+
+from app.settings import Settings, VLLMServerSettings
+
+TEST_MODEL_NAME = "prefixrag-test-model"
+
+
+def has_cuda() -> bool:
+    try:
+        import torch
+
+        return bool(torch.cuda.is_available())
+    except Exception:  # a broken torch build means no GPU path either
+        return False
+
+
+def resolve_model(cfg: VLLMServerSettings) -> tuple[str, str, list[str]]:
+    """Return (model path or id, served name, extra flags) for the configured model."""
+    if cfg.test_model:
+        from app.testmodel import write_test_model
+
+        folder = write_test_model(cfg.cache_dir / "test-model", max(cfg.max_model_len, 32768))
+        return str(folder), cfg.served_model_name or TEST_MODEL_NAME, ["--load-format", "dummy"]
+    if cfg.model == "smollm2":
+        from app.smollm2 import convert_smollm2
+
+        folder = convert_smollm2(cfg.cache_dir / "smollm2-135m-instruct")
+        return str(folder), cfg.served_model_name or "SmolLM2-135M-Instruct", []
+    if not cfg.model:
+        raise SystemExit("error: no model: set RAG_VLLM_SERVER__MODEL, pass --model, or use --test-model")
+    return cfg.model, cfg.served_model_name or cfg.model, []
+
+
+def build_command(cfg: VLLMServerSettings, gpu: bool) -> tuple[list[str], dict[str, str]]:
+    model, served_name, model_flags = resolve_model(cfg)
+    argv = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", model, "--served-model-name", served_name, "--host", cfg.host, "--port", str(cfg.port),
+        "--max-model-len", str(cfg.max_model_len), "--enable-prefix-caching", "--enable-chunked-prefill",
+        "--max-num-batched-tokens", str(cfg.max_num_batched_tokens), "--max-num-seqs", str(cfg.max_num_seqs),
+        "--dtype", cfg.dtype, "--enable-prompt-tokens-details", *model_flags,
+    ]
+    if cfg.block_size:
+        argv += ["--block-size", str(cfg.block_size)]
+    if cfg.quantization:
+        argv += ["--quantization", cfg.quantization]
+    if cfg.enforce_eager:
+        argv += ["--enforce-eager"]
+    env = {"VLLM_SERVER_DEV_MODE": "1"} if cfg.dev_mode else {}
+    if gpu:
+        argv += ["--gpu-memory-utilization", str(cfg.gpu_memory_utilization),
+                 "--tensor-parallel-size", str(cfg.tensor_parallel_size)]
+    else:
+        # CPU backend: KV cache size is set in GiB; on small machines reserving no core halves prefill time.
+        env |= {"VLLM_CPU_KVCACHE_SPACE": str(cfg.cpu_kvcache_space_gib), "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+    return argv + list(cfg.extra_args), env
+
+
+def parse_args(argv: list[str] | None) -> tuple[VLLMServerSettings, bool]:
+    cfg = Settings().vllm_server
+    parser = argparse.ArgumentParser(prog="python -m app.vllm_server", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", help="HF id or folder; 'smollm2' converts the packaged SmolLM2-135M-Instruct")
+    parser.add_argument("--test-model", action="store_true", help="serve the tiny dummy-weight test model")
+    parser.add_argument("--port", type=int, help=f"port (default {cfg.port})")
+    parser.add_argument("--host", help=f"bind address (default {cfg.host})")
+    parser.add_argument("--max-model-len", type=int, help=f"context window (default {cfg.max_model_len})")
+    parser.add_argument("--dev-mode", action="store_true", help="enable /reset_prefix_cache (benchmarks)")
+    parser.add_argument("--dry-run", action="store_true", help="print the command, do not run it")
+    parser.add_argument("extra", nargs=argparse.REMAINDER, help="after --: passed to vLLM verbatim")
+    args = parser.parse_args(argv)
+    updates = {k: v for k, v in vars(args).items() if v not in (None, False) and k not in ("extra", "dry_run")}
+    if args.extra:
+        updates["extra_args"] = [a for a in args.extra if a != "--"]
+    return cfg.model_copy(update=updates), args.dry_run
+
+
+def main(argv: list[str] | None = None) -> None:
+    cfg, dry_run = parse_args(argv)
+    argv_vllm, env = build_command(cfg, gpu=has_cuda())
+    printable = " ".join(f"{k}={v}" for k, v in env.items()) + " " + shlex.join(argv_vllm)
+    print(f"[prefixrag] starting vLLM: {printable.strip()}", flush=True)
+    if dry_run:
+        return
+    os.execvpe(argv_vllm[0], argv_vllm, os.environ | env)
+
+
+if __name__ == "__main__":
+    main()

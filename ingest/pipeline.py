@@ -1,0 +1,149 @@
+"""The importable ingest pipeline: scan -> load -> chunk -> embed (only what is new) -> upsert -> delete stale.
+
+Crash safety follows from the write order and from ids that are a pure function of content: a changed
+document's new chunks are upserted before its stale ones are deleted, and a document counts as unchanged only
+when every one of its expected chunks is present with the current hash. A run killed anywhere therefore
+leaves extra or missing chunks that the next run detects and converges from, re-using stored embeddings.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from app.settings import Settings
+from ingest.chunking import Chunk, Chunker
+from ingest.documents import LoadError, SourceDocument, sha256
+from ingest.loaders import is_supported, load_file
+from ingest.report import IngestReport, Progress
+from ingest.store import CollectionMissing, StoredDocument, open_collection, stored_documents, write_lock
+from ingest.writer import ChunkWriter
+
+
+@dataclass
+class FileResult:
+    path: Path
+    rel: str
+    documents: list[SourceDocument] = field(default_factory=list)
+    error: str | None = None
+
+
+def discover(roots: list[Path]) -> tuple[list[tuple[Path, str]], int]:
+    """Supported files under the roots, sorted (deterministic order), and how many were skipped as unknown."""
+    found, unknown = [], 0
+    for root in roots:
+        if not root.exists():
+            raise FileNotFoundError(f"no such file or directory: {root}")
+        base = root.parent if root.is_file() else root
+        candidates = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file())
+        for path in candidates:
+            rel = path.relative_to(base).as_posix()
+            if any(part.startswith(".") for part in Path(rel).parts):
+                continue  # hidden files and folders (.git, editor swap files)
+            if is_supported(path):
+                found.append((path, rel))
+            else:
+                unknown += 1
+    return found, unknown
+
+
+def load(path: Path, rel: str, settings: Settings) -> FileResult:
+    result = FileResult(path, rel)
+    try:
+        size_mb = path.stat().st_size / 1e6
+        if size_mb > settings.ingest.max_file_mb:
+            raise LoadError(f"too large: {size_mb:.1f} MB > limit {settings.ingest.max_file_mb:g} MB")
+        result.documents = load_file(path, rel, settings.chunking.parent_field)
+    except LoadError as exc:
+        result.error = str(exc)
+    except (OSError, RecursionError, ValueError) as exc:
+        result.error = f"{type(exc).__name__}: {exc}"
+    return result
+
+
+def document_hash(document: SourceDocument, settings: Settings, embedder_name: str) -> str:
+    # Chunking parameters and the encoder are part of a document's identity: changing them re-chunks it.
+    c = settings.chunking
+    return sha256(document.text, document.title, document.parent_id, str(document.parent_pos),
+                  repr([s.headings for s in document.sections]), f"{c.size}/{c.overlap}", embedder_name)
+
+
+def is_unchanged(stored: StoredDocument | None, doc_hash: str) -> bool:
+    return stored is not None and stored.doc_hash == doc_hash and len(stored.ids) == stored.n_chunks
+
+
+def run_ingest(roots: list[Path], settings: Settings, embedder, *, prune: bool = False, dry_run: bool = False,
+               progress: Progress | None = None) -> IngestReport:
+    started = time.perf_counter()
+    progress = progress or Progress(enabled=False)
+    report = IngestReport(dry_run=dry_run)
+    files, report.skipped_unknown = discover(roots)
+    report.files_seen = len(files)
+    with write_lock(settings.chroma, settings.ingest.lock_timeout_s):
+        collection = _open_for(settings, embedder, dry_run)
+        stored = stored_documents(collection) if collection is not None else {}
+        chunker = Chunker(embedder.tokenizer, settings.chunking.size, settings.chunking.overlap, embedder.max_tokens)
+        writer = ChunkWriter(collection, embedder, settings.ingest.write_batch, dry_run, report)
+        seen_docs: set[str] = set()
+        loaded_sources: set[str] = set()
+        with progress.files(len(files)) as advance:
+            for path, rel in files:
+                result = load(path, rel, settings)
+                _ingest_file(result, stored, chunker, writer, settings, embedder.name, report, seen_docs)
+                if result.error is None:
+                    loaded_sources.add(rel)
+                advance(rel, report.chunks_written)
+        writer.flush()
+        stale = [doc for doc, entry in stored.items() if doc not in seen_docs
+                 and (entry.source in loaded_sources or (prune and entry.source not in _failed(report)))]
+        writer.delete_documents({doc: stored[doc].ids for doc in stale})
+        report.documents_removed = len(stale)
+        report.files_removed = len({stored[doc].source for doc in stale} - loaded_sources)
+    report.seconds = round(time.perf_counter() - started, 3)
+    return report
+
+
+def _open_for(settings: Settings, embedder, dry_run: bool):
+    """A dry run creates nothing: a collection that does not exist yet reads as empty."""
+    try:
+        return open_collection(settings.chroma, embedder.name, embedder.dimension, create=not dry_run)
+    except CollectionMissing:
+        return None
+
+
+def _failed(report: IngestReport) -> set[str]:
+    return {failure["path"] for failure in report.failed}
+
+
+def _ingest_file(result: FileResult, stored: dict[str, StoredDocument], chunker: Chunker, writer: ChunkWriter,
+                 settings: Settings, embedder_name: str, report: IngestReport, seen_docs: set[str]) -> None:
+    if result.error is not None:
+        report.failed.append({"path": result.rel, "reason": result.error})
+        return
+    statuses = set()
+    for document in result.documents:
+        report.warnings.extend(f"{result.rel}: {w}" for w in document.warnings)
+        seen_docs.add(document.doc_id)
+        doc_hash = document_hash(document, settings, embedder_name)
+        previous = stored.get(document.doc_id)
+        if is_unchanged(previous, doc_hash):
+            statuses.add("unchanged")
+            continue
+        statuses.add("added" if previous is None else "updated")
+        chunks = chunker.chunk(document)
+        writer.add_document(document, chunks, doc_hash, previous.ids if previous else [])
+    # A file is "added" only if all its documents are new; any change to a known one makes it "updated".
+    status = "unchanged" if statuses == {"unchanged"} else "added" if statuses == {"added"} else "updated"
+    setattr(report, f"files_{status}", getattr(report, f"files_{status}") + 1)
+
+
+def chunk_metadata(document: SourceDocument, chunk: Chunk, doc_hash: str, n_chunks: int) -> dict:
+    # Chroma metadata values must be scalars (no None): absent values are "" or -1.
+    return {
+        "doc_id": document.doc_id, "source": document.source, "title": document.title,
+        "chunk_index": chunk.index, "n_chunks": n_chunks, "start": chunk.start, "end": chunk.end,
+        "headings": " > ".join(chunk.headings), "page": chunk.page if chunk.page is not None else -1,
+        "parent_id": document.parent_id, "parent_pos": document.parent_pos, "kind": document.kind,
+        "content_hash": chunk.content_hash, "doc_hash": doc_hash,
+    }

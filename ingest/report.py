@@ -1,0 +1,66 @@
+"""The ingest summary (text and JSON) and a progress bar that only shows on a terminal."""
+
+from __future__ import annotations
+
+import sys
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class IngestReport:
+    dry_run: bool = False
+    files_seen: int = 0
+    files_added: int = 0
+    files_updated: int = 0
+    files_unchanged: int = 0
+    files_removed: int = 0
+    documents_removed: int = 0
+    skipped_unknown: int = 0
+    failed: list[dict] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    chunks_written: int = 0
+    chunks_embedded: int = 0
+    chunks_deleted: int = 0
+    seconds: float = 0.0
+
+    @property
+    def writes(self) -> int:
+        return self.chunks_written + self.chunks_deleted
+
+    def to_dict(self) -> dict:
+        return asdict(self) | {"files_failed": len(self.failed)}
+
+    def summary(self) -> str:
+        verb = "would write" if self.dry_run else "wrote"
+        lines = [
+            f"files: {self.files_seen} seen, {self.files_added} added, {self.files_updated} updated, "
+            f"{self.files_unchanged} unchanged, {self.files_removed} removed, {len(self.failed)} failed, "
+            f"{self.skipped_unknown} skipped (unknown type)",
+            f"chunks: {verb} {self.chunks_written} ({self.chunks_embedded} embedded), "
+            f"deleted {self.chunks_deleted}; {self.seconds:.1f}s",
+        ]
+        lines += [f"failed: {f['path']}: {f['reason']}" for f in self.failed]
+        lines += [f"warning: {w}" for w in self.warnings[:20]]
+        if len(self.warnings) > 20:
+            lines.append(f"... and {len(self.warnings) - 20} more warnings (see --json)")
+        return "\n".join(lines)
+
+
+class Progress:
+    """A rich progress bar over files, with the running chunk count; silent when stderr is no terminal."""
+
+    def __init__(self, enabled: bool | None = None) -> None:
+        self.enabled = sys.stderr.isatty() if enabled is None else enabled
+
+    @contextmanager
+    def files(self, total: int):
+        if not self.enabled:
+            yield lambda name, chunks: None
+            return
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress as Bar, TextColumn, TimeElapsedColumn
+
+        with Bar(TextColumn("[bold]ingest"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[chunks]} chunks"),
+                 TimeElapsedColumn(), TextColumn("{task.fields[name]}"), transient=True) as bar:
+            task = bar.add_task("files", total=total, chunks=0, name="")
+            yield lambda name, chunks: bar.update(task, advance=1, chunks=chunks, name=name[-50:])

@@ -1,0 +1,117 @@
+"""Chroma access shared by ingest (writes) and the app (reads): one way to open a collection.
+
+Embeddings are always passed explicitly (``embedding_function=None``): Chroma's default one would try to
+download a model. The collection records which encoder filled it, so a mismatched reader fails fast.
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlparse
+
+from app.settings import ChromaSettings
+
+os.environ.setdefault("ANONYMIZED_TELEMETRY", "False")
+PAGE = 2000  # rows per paginated get: keeps memory flat on large collections
+
+
+class StoreError(Exception):
+    """Chroma cannot be opened or used as configured."""
+
+
+class CollectionMissing(StoreError):
+    """The collection does not exist (yet): nothing has been ingested into it."""
+
+
+class LockBusy(StoreError):
+    """Another ingest holds the on-disk collection's write lock."""
+
+
+def open_client(cfg: ChromaSettings):
+    import chromadb
+    from chromadb.config import Settings as ChromaClientSettings
+
+    client_settings = ChromaClientSettings(anonymized_telemetry=False)
+    try:
+        if cfg.url:
+            parsed = urlparse(cfg.url)
+            return chromadb.HttpClient(host=parsed.hostname or "127.0.0.1",
+                                       port=parsed.port or (443 if parsed.scheme == "https" else 80),
+                                       ssl=parsed.scheme == "https", settings=client_settings)
+        cfg.path.mkdir(parents=True, exist_ok=True)
+        return chromadb.PersistentClient(path=str(cfg.path), settings=client_settings)
+    except StoreError:
+        raise
+    except Exception as exc:
+        where = cfg.url or cfg.path
+        raise StoreError(f"cannot open Chroma at {where}: {exc}") from exc
+
+
+def open_collection(cfg: ChromaSettings, embedder_name: str, dimension: int, create: bool):
+    client = open_client(cfg)
+    try:
+        if create:
+            collection = client.get_or_create_collection(
+                cfg.collection, configuration={"hnsw": {"space": "cosine"}}, embedding_function=None,
+                metadata={"embedder": embedder_name, "dimension": dimension},
+            )
+        else:
+            collection = client.get_collection(cfg.collection, embedding_function=None)
+    except Exception as exc:
+        if not create and "does not exist" in str(exc):
+            raise CollectionMissing(f"collection {cfg.collection!r} does not exist: ingest documents first") from exc
+        raise StoreError(f"collection {cfg.collection!r} unavailable: {exc}") from exc
+    stored = (collection.metadata or {}).get("embedder")
+    if stored and stored != embedder_name:
+        raise StoreError(f"collection {cfg.collection!r} was embedded with {stored!r}, not {embedder_name!r}: "
+                         "use the same embedding model or another collection")
+    return collection
+
+
+@dataclass
+class StoredDocument:
+    doc_hash: str
+    n_chunks: int
+    source: str
+    ids: list[str]
+
+
+def stored_documents(collection) -> dict[str, StoredDocument]:
+    """What the collection holds, per document id: its hash, expected chunk count and present chunk ids."""
+    documents: dict[str, StoredDocument] = {}
+    offset = 0
+    while True:
+        page = collection.get(include=["metadatas"], limit=PAGE, offset=offset)
+        for chunk_id, meta in zip(page["ids"], page["metadatas"]):
+            entry = documents.setdefault(meta["doc_id"], StoredDocument(meta["doc_hash"], meta["n_chunks"],
+                                                                        meta["source"], []))
+            if meta["doc_hash"] != entry.doc_hash:
+                entry.doc_hash = ""  # mixed generations (an interrupted update): never "unchanged"
+            entry.ids.append(chunk_id)
+        if len(page["ids"]) < PAGE:
+            return documents
+        offset += PAGE
+
+
+@contextmanager
+def write_lock(cfg: ChromaSettings, timeout_s: float):
+    """Serialise writers of an on-disk collection; a Chroma server serialises writes itself."""
+    if cfg.url:
+        yield
+        return
+    from filelock import FileLock, Timeout
+
+    cfg.path.mkdir(parents=True, exist_ok=True)
+    lock = FileLock(str(Path(cfg.path) / ".prefixrag-ingest.lock"))
+    try:
+        lock.acquire(timeout=timeout_s)
+    except Timeout:
+        raise LockBusy(f"another ingest is writing to {cfg.path} (waited {timeout_s:g}s); "
+                       "try again when it finishes") from None
+    try:
+        yield
+    finally:
+        lock.release()

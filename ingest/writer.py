@@ -1,0 +1,91 @@
+"""Batched writes: embed only content never embedded before, upsert, then delete each document's stale chunks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ingest.chunking import Chunk
+from ingest.documents import SourceDocument
+
+
+@dataclass
+class _Pending:
+    chunk_ids: set[str]
+    stale_ids: list[str]
+    remaining: int  # chunks of this document not yet upserted
+
+
+class ChunkWriter:
+    def __init__(self, collection, embedder, batch: int, dry_run: bool, report) -> None:
+        self.collection, self.embedder, self.batch = collection, embedder, batch
+        self.dry_run, self.report = dry_run, report
+        self.vectors: dict[str, np.ndarray] = {}  # content hash -> embedding, this run and re-used stored ones
+        self.buffer: list[tuple[str, Chunk, dict]] = []
+        self.pending: dict[str, _Pending] = {}
+
+    def add_document(self, document: SourceDocument, chunks: list[Chunk], doc_hash: str,
+                     previous_ids: list[str]) -> None:
+        from ingest.pipeline import chunk_metadata
+
+        new_ids = {chunk.chunk_id for chunk in chunks}
+        self.pending[document.doc_id] = _Pending(new_ids, [i for i in previous_ids if i not in new_ids], len(chunks))
+        if previous_ids and not self.dry_run:
+            self._remember_stored(previous_ids)
+        for chunk in chunks:
+            self.buffer.append((document.doc_id, chunk, chunk_metadata(document, chunk, doc_hash, len(chunks))))
+        if len(self.buffer) >= self.batch:
+            self.flush()
+
+    def _remember_stored(self, ids: list[str]) -> None:
+        """Keep the embeddings of a changed document's current chunks: unchanged text is never re-embedded."""
+        stored = self.collection.get(ids=ids, include=["embeddings", "metadatas"])
+        for vector, meta in zip(stored["embeddings"], stored["metadatas"]):
+            self.vectors.setdefault(meta["content_hash"], np.asarray(vector, dtype=np.float32))
+
+    def flush(self) -> None:
+        if not self.buffer:
+            return
+        batch, self.buffer = self.buffer, []
+        self._embed_missing([chunk for _, chunk, _ in batch])
+        if not self.dry_run:
+            self.collection.upsert(
+                ids=[chunk.chunk_id for _, chunk, _ in batch],
+                embeddings=[self.vectors[chunk.content_hash] for _, chunk, _ in batch],
+                documents=[chunk.text for _, chunk, _ in batch],
+                metadatas=[meta for _, _, meta in batch],
+            )
+        self.report.chunks_written += len(batch)
+        for doc_id, _, _ in batch:
+            self.pending[doc_id].remaining -= 1
+        self._delete_stale_of_complete_documents()
+
+    def _embed_missing(self, chunks: list[Chunk]) -> None:
+        todo: dict[str, str] = {}
+        for chunk in chunks:
+            if chunk.content_hash not in self.vectors:
+                todo.setdefault(chunk.content_hash, chunk.text)
+        self.report.chunks_embedded += len(todo)
+        if self.dry_run:
+            self.vectors.update({h: np.zeros(0, dtype=np.float32) for h in todo})
+            return
+        for content_hash, vector in zip(todo, self.embedder.embed(list(todo.values()))):
+            self.vectors[content_hash] = np.asarray(vector, dtype=np.float32)
+
+    def _delete_stale_of_complete_documents(self) -> None:
+        # Only once ALL of a document's new chunks are stored do its old ones go: it is never without chunks.
+        done = [doc_id for doc_id, pending in self.pending.items() if pending.remaining == 0]
+        stale = [chunk_id for doc_id in done for chunk_id in self.pending.pop(doc_id).stale_ids]
+        self._delete(stale)
+
+    def delete_documents(self, ids_by_doc: dict[str, list[str]]) -> None:
+        self._delete([chunk_id for ids in ids_by_doc.values() for chunk_id in ids])
+
+    def _delete(self, ids: list[str]) -> None:
+        if not ids:
+            return
+        self.report.chunks_deleted += len(ids)
+        if not self.dry_run:
+            for start in range(0, len(ids), 5000):
+                self.collection.delete(ids=ids[start:start + 5000])

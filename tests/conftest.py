@@ -1,0 +1,83 @@
+"""Shared fixtures. Everything is real: on-disk Chroma or a `chroma run` server, the packaged embedder, and
+(for the service tests) a vLLM CPU server with the dummy-weight test model, started once per session."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("ANONYMIZED_TELEMETRY", "False")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_for_http(url: str, timeout: float, process: subprocess.Popen | None = None) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process is not None and process.poll() is not None:
+            raise RuntimeError(f"process for {url} exited with {process.returncode}")
+        try:
+            if httpx.get(url, timeout=2).status_code < 500:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"{url} not up after {timeout}s")
+
+
+@pytest.fixture(scope="session")
+def embedder():
+    from app.settings import EmbeddingSettings
+    from ingest.embedder import Embedder
+
+    return Embedder(EmbeddingSettings())
+
+
+@pytest.fixture
+def settings_factory(tmp_path):
+    from app.settings import Settings
+
+    def make(collection: str = "test-docs", path: Path | None = None, **env) -> Settings:
+        settings = Settings(_env_file=None)
+        settings.chroma = settings.chroma.model_copy(update={"path": path or tmp_path / "chroma",
+                                                             "collection": collection, "url": None})
+        return settings
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def chroma_server(tmp_path_factory):
+    """A real `chroma run` server on a free port."""
+    port = free_port()
+    data = tmp_path_factory.mktemp("chroma-server")
+    chroma = Path(sys.executable).with_name("chroma")
+    log = open(data / "server.log", "w")
+    process = subprocess.Popen([str(chroma), "run", "--path", str(data / "db"), "--host", "127.0.0.1",
+                                "--port", str(port)], stdout=log, stderr=subprocess.STDOUT,
+                               env=os.environ | {"ANONYMIZED_TELEMETRY": "False"})
+    try:
+        wait_for_http(f"http://127.0.0.1:{port}/api/v2/heartbeat", 60, process)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        process.terminate()
+        process.wait(20)
+
+
+def run_cli(*args: str, env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ingest", *args], cwd=ROOT, capture_output=True, text=True,
+                          env=os.environ | (env or {}), timeout=timeout)

@@ -1,0 +1,175 @@
+"""Ingest against a real on-disk Chroma (and a real `chroma run` server) with the real embedder."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from ingest.pipeline import run_ingest
+from ingest.store import open_collection
+from tests.conftest import run_cli
+from tests.fixtures_docs import write_corpus, write_pdf
+
+
+def collection_of(settings, embedder):
+    return open_collection(settings.chroma, embedder.name, embedder.dimension, create=False)
+
+
+def snapshot(settings, embedder) -> dict[str, tuple[str, dict]]:
+    data = collection_of(settings, embedder).get(include=["documents", "metadatas"])
+    return {i: (d, m) for i, d, m in zip(data["ids"], data["documents"], data["metadatas"])}
+
+
+def test_each_file_type_is_loaded_with_its_structure(tmp_path, settings_factory, embedder):
+    corpus = write_corpus(tmp_path / "corpus")
+    settings = settings_factory()
+    report = run_ingest([corpus], settings, embedder)
+    assert report.failed == [] and report.skipped_unknown == 1 and report.files_added == 5
+    rows = snapshot(settings, embedder).values()
+    by_doc = {}
+    for text, meta in rows:
+        by_doc.setdefault(meta["doc_id"], []).append((text, meta))
+    assert set(by_doc) == {"guide/lighthouses.md", "tides.html", "notes.txt", "manual.pdf",
+                           "Otters#0", "Otters#1", "Bees#0"}
+    lenses = [m for t, m in by_doc["guide/lighthouses.md"] if "Fresnel" in t]
+    assert lenses and lenses[0]["headings"] == "Lighthouses > Lenses" and lenses[0]["title"] == "Lighthouses"
+    html_text = " ".join(t for t, _ in by_doc["tides.html"])
+    assert "new and full moon" in html_text
+    for noise in ("SCRIPT_NOISE", "NAV_NOISE", "FOOTER_NOISE", "color:red"):
+        assert noise not in html_text
+    assert {m["headings"] for _, m in by_doc["tides.html"]} >= {"Tide Tables > Neap tides"}
+    pages = {m["page"]: t for t, m in by_doc["manual.pdf"]}
+    assert "anchors" in pages[1] and "sails" in pages[2]
+    otters = sorted((m["parent_pos"], m["parent_id"]) for d in ("Otters#0", "Otters#1") for _, m in by_doc[d])
+    assert otters == [(0, "Otters"), (1, "Otters")]
+    for text, meta in rows:
+        assert meta["end"] - meta["start"] == len(text) and meta["content_hash"]
+
+
+def test_rerun_on_unchanged_corpus_writes_nothing(tmp_path, settings_factory, embedder):
+    corpus = write_corpus(tmp_path / "corpus")
+    settings = settings_factory()
+    first = run_ingest([corpus], settings, embedder)
+    before = snapshot(settings, embedder)
+    second = run_ingest([corpus], settings, embedder)
+    assert first.chunks_written > 0
+    assert second.writes == 0 and second.chunks_embedded == 0 and second.files_unchanged == 5
+    assert snapshot(settings, embedder) == before
+
+
+def test_modified_file_replaces_its_chunks_and_reuses_unchanged_embeddings(tmp_path, settings_factory, embedder):
+    corpus = write_corpus(tmp_path / "corpus")
+    settings = settings_factory()
+    run_ingest([corpus], settings, embedder)
+    doc = corpus / "guide" / "lighthouses.md"
+    doc.write_text(doc.read_text() + "\n## Fog\n\nFoghorns sound when the beam cannot be seen.\n")
+    report = run_ingest([corpus], settings, embedder)
+    assert report.files_updated == 1 and report.files_unchanged == 4
+    assert 0 < report.chunks_embedded < report.chunks_written + 1  # only new content embedded
+    texts = [t for t, m in snapshot(settings, embedder).values() if m["doc_id"] == "guide/lighthouses.md"]
+    assert any("Foghorns" in t for t in texts)
+    assert len(texts) == len(set(texts))  # no duplicate generations left behind
+
+
+def test_deleted_file_stays_until_prune_then_goes(tmp_path, settings_factory, embedder):
+    corpus = write_corpus(tmp_path / "corpus")
+    settings = settings_factory()
+    run_ingest([corpus], settings, embedder)
+    (corpus / "notes.txt").unlink()
+    kept = run_ingest([corpus], settings, embedder)
+    assert kept.chunks_deleted == 0
+    assert any(m["doc_id"] == "notes.txt" for _, m in snapshot(settings, embedder).values())
+    pruned = run_ingest([corpus], settings, embedder, prune=True)
+    assert pruned.files_removed == 1 and pruned.chunks_deleted >= 1
+    assert not any(m["doc_id"] == "notes.txt" for _, m in snapshot(settings, embedder).values())
+
+
+def test_removed_jsonl_record_is_deleted_without_prune(tmp_path, settings_factory, embedder):
+    corpus = write_corpus(tmp_path / "corpus")
+    settings = settings_factory()
+    run_ingest([corpus], settings, embedder)
+    lines = (corpus / "animals.jsonl").read_text().splitlines()
+    (corpus / "animals.jsonl").write_text("\n".join(lines[:2]) + "\n")
+    report = run_ingest([corpus], settings, embedder)
+    assert report.documents_removed == 1
+    assert "Bees#0" not in {m["doc_id"] for _, m in snapshot(settings, embedder).values()}
+
+
+def test_ids_are_deterministic_across_fresh_ingests_anywhere(tmp_path, settings_factory, embedder):
+    first_corpus = write_corpus(tmp_path / "a" / "corpus")
+    second_corpus = tmp_path / "elsewhere" / "copy"
+    shutil.copytree(first_corpus, second_corpus)
+    one, two = settings_factory(path=tmp_path / "db1"), settings_factory(path=tmp_path / "db2")
+    run_ingest([first_corpus], one, embedder)
+    run_ingest([second_corpus], two, embedder)
+    assert snapshot(one, embedder) == snapshot(two, embedder)
+
+
+def test_bad_files_are_reported_and_skipped_and_good_ones_ingested(tmp_path, settings_factory):
+    corpus = write_corpus(tmp_path / "corpus")
+    (corpus / "binary.txt").write_bytes(b"\x00\x01\x02binary")
+    (corpus / "latin1.md").write_bytes("caf\xe9 au lait".encode("latin-1"))
+    (corpus / "corrupt.pdf").write_bytes(b"%PDF-1.4 this is not really a pdf")
+    write_pdf(corpus / "locked.pdf", ["secret"], password="hunter2")
+    (corpus / "empty.md").write_text("   \n")
+    (corpus / "huge.txt").write_text("word " * 300_000)  # 1.5 MB, over the limit set below
+    (corpus / "mixed.jsonl").write_text('{"id": "ok1", "text": "A good record."}\nnot json\n{"id": "x"}\n')
+    settings = settings_factory()
+    result = run_cli(str(corpus), "--chroma-path", str(settings.chroma.path), "--json",
+                     env={"RAG_INGEST__MAX_FILE_MB": "1"})
+    assert result.returncode == 1, result.stderr
+    summary = json.loads(result.stdout)
+    reasons = {f["path"]: f["reason"] for f in summary["failed"]}
+    assert "binary" in reasons["binary.txt"]
+    assert "UTF-8" in reasons["latin1.md"]
+    assert "PDF" in reasons["corrupt.pdf"]
+    assert "encrypted" in reasons["locked.pdf"].lower()
+    assert "empty" in reasons["empty.md"]
+    assert "too large" in reasons["huge.txt"]
+    assert any("line 2" in w for w in summary["warnings"]) and any("line 3" in w for w in summary["warnings"])
+    assert summary["files_added"] == 6  # the five good fixtures + mixed.jsonl's good record
+
+
+def test_cli_usage_errors_exit_2_and_fatal_errors_exit_3(tmp_path):
+    assert run_cli().returncode == 2
+    missing = run_cli(str(tmp_path / "nope"), "--chroma-path", str(tmp_path / "db"))
+    assert missing.returncode == 3 and "no such file" in missing.stderr
+    assert missing.stderr.count("\n") == 1  # one clear line, no traceback
+
+
+def test_second_writer_waits_then_fails_clearly(tmp_path, settings_factory):
+    from filelock import FileLock
+
+    corpus = write_corpus(tmp_path / "corpus")
+    settings = settings_factory()
+    settings.chroma.path.mkdir(parents=True)
+    with FileLock(str(settings.chroma.path / ".prefixrag-ingest.lock")):
+        result = run_cli(str(corpus), "--chroma-path", str(settings.chroma.path),
+                         env={"RAG_INGEST__LOCK_TIMEOUT_S": "1"})
+    assert result.returncode == 3
+    assert "another ingest is writing" in result.stderr
+
+
+def test_dry_run_writes_nothing(tmp_path, settings_factory, embedder):
+    corpus = write_corpus(tmp_path / "corpus")
+    settings = settings_factory()
+    report = run_ingest([corpus], settings, embedder, dry_run=True)
+    assert report.chunks_written > 0 and report.dry_run
+    run_ingest([corpus], settings, embedder)  # the real one still has everything to do
+    assert len(snapshot(settings, embedder)) == report.chunks_written
+
+
+@pytest.mark.chroma_server
+def test_chroma_server_mode(tmp_path, chroma_server, embedder, settings_factory):
+    corpus = write_corpus(tmp_path / "corpus")
+    result = run_cli(str(corpus), "--chroma-url", chroma_server, "--collection", "server-docs", "--json")
+    assert result.returncode == 0, result.stderr
+    first = json.loads(result.stdout)
+    again = json.loads(run_cli(str(corpus), "--chroma-url", chroma_server, "--collection", "server-docs",
+                               "--json").stdout)
+    assert again["chunks_written"] == 0 and again["files_unchanged"] == first["files_added"]
+    settings = settings_factory(collection="server-docs")
+    settings.chroma.url = chroma_server
+    assert collection_of(settings, embedder).count() == first["chunks_written"]

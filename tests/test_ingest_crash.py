@@ -1,0 +1,59 @@
+"""SIGKILL an ingest while it writes; the next run must converge to exactly what a clean ingest produces."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+
+from ingest.pipeline import run_ingest
+from tests.conftest import ROOT
+from tests.test_ingest import snapshot
+
+WORDS = ("harbour tide anchor keel mast rope gull wave reef compass chart beacon current drift sail "
+         "storm pier buoy lantern cargo hull deck helm knot port starboard").split()
+
+
+def write_big_corpus(root, files=40, paragraphs=12, seed=7):
+    rng = random.Random(seed)
+    root.mkdir(parents=True)
+    for number in range(files):
+        body = "\n\n".join(" ".join(rng.choice(WORDS) for _ in range(60)) + "." for _ in range(paragraphs))
+        (root / f"log-{number:03d}.md").write_text(f"# Log {number}\n\n{body}\n")
+    return root
+
+
+def stored_rows(db_path) -> int:
+    try:
+        with sqlite3.connect(f"file:{db_path}?mode=ro", uri=True, timeout=1) as db:
+            return db.execute("select count(*) from embeddings").fetchone()[0]
+    except sqlite3.Error:
+        return 0
+
+
+def test_sigkill_mid_ingest_then_rerun_equals_clean_ingest(tmp_path, settings_factory, embedder):
+    corpus = write_big_corpus(tmp_path / "corpus")
+    crashed, clean = settings_factory(path=tmp_path / "crashed"), settings_factory(path=tmp_path / "clean")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "ingest", str(corpus), "--chroma-path", str(crashed.chroma.path),
+         "--collection", crashed.chroma.collection], cwd=ROOT,
+        env=os.environ | {"RAG_INGEST__WRITE_BATCH": "16"}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 120
+    while stored_rows(crashed.chroma.path / "chroma.sqlite3") < 48:
+        assert process.poll() is None, f"ingest ended before it could be killed: {process.stderr.read()}"
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    partial = len(snapshot(crashed, embedder))
+    report = run_ingest([corpus], crashed, embedder)
+    run_ingest([corpus], clean, embedder)
+    expected = snapshot(clean, embedder)
+    assert 0 < partial < len(expected), "the kill must land mid-ingest for this test to mean anything"
+    assert snapshot(crashed, embedder) == expected
+    assert report.chunks_embedded <= len(expected) - partial + 16  # stored work was re-used, not redone
+    assert run_ingest([corpus], crashed, embedder).writes == 0
