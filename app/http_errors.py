@@ -1,0 +1,47 @@
+"""The one place where exceptions become HTTP responses, always in OpenAI's error shape."""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+
+from app.errors import ServiceError, UpstreamUnavailable
+from app.protocol import error_body
+
+log = logging.getLogger("prefixrag.http")
+
+
+def error_response(exc: ServiceError) -> JSONResponse:
+    headers = {"Retry-After": str(exc.retry_after_s)} if isinstance(exc, UpstreamUnavailable) else None
+    if exc.status == 401:
+        headers = {"WWW-Authenticate": "Bearer"}
+    return JSONResponse(error_body(exc.message, exc.type, exc.param, exc.code), status_code=exc.status,
+                        headers=headers)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ServiceError)
+    async def _service_error(request: Request, exc: ServiceError) -> JSONResponse:
+        return error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0]
+        param = ".".join(str(p) for p in first["loc"] if p != "body") or None
+        message = f"{param}: {first['msg']}" if param else first["msg"]
+        return JSONResponse(error_body(message, "invalid_request_error", param, "invalid_request"), status_code=400)
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        type_ = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        return JSONResponse(error_body(str(exc.detail), type_, None, None), status_code=exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error on %s", request.url.path)
+        return JSONResponse(error_body("internal error; see the service log", "server_error", None, "internal"),
+                            status_code=500)

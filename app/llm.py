@@ -1,0 +1,148 @@
+"""The one place that talks to vLLM. Every generation request is built by ``LLMClient.chat_request``, so
+routing headers (prefix affinity for vllm-router), limits and retries slot in here and nowhere else."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import httpx
+import openai
+from openai import AsyncOpenAI
+
+from app.errors import BadRequest, UpstreamError, UpstreamTimeout, UpstreamUnavailable
+from app.settings import VLLMSettings
+
+_LABELS = re.compile(r'(\w+)="([^"]*)"')
+
+
+@dataclass
+class Completion:
+    text: str = ""
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class Delta:
+    text: str
+
+
+class LLMClient:
+    def __init__(self, settings: VLLMSettings) -> None:
+        self.settings = settings
+        self.model: str | None = settings.model
+        self.openai = AsyncOpenAI(base_url=settings.url, api_key=settings.api_key, timeout=settings.timeout_s,
+                                  max_retries=0)  # retry policy is ours (readiness monitor), not the SDK's
+        root = settings.url.rstrip("/").removesuffix("/v1")
+        self.http = httpx.AsyncClient(base_url=root, timeout=settings.timeout_s,
+                                      headers={"Authorization": f"Bearer {settings.api_key}"})
+
+    async def aclose(self) -> None:
+        await self.openai.close()
+        await self.http.aclose()
+
+    def chat_request(self, messages: list[dict], *, max_tokens: int, temperature: float, prefix_key: str,
+                     stream: bool = True, **options) -> dict:
+        """Keyword arguments for ``chat.completions.create``: the single definition of a vLLM request."""
+        request = {
+            "model": self.model, "messages": messages, "max_tokens": max_tokens, "temperature": temperature,
+            "stream": stream, "extra_headers": {self.settings.affinity_header: prefix_key},
+        }
+        if stream:
+            request["stream_options"] = {"include_usage": True}
+        request.update({k: v for k, v in options.items() if v is not None})
+        return request
+
+    async def stream_chat(self, request: dict, result: Completion) -> AsyncIterator[Delta]:
+        """Yield answer deltas; fill ``result`` with finish reason and usage (incl. cached tokens) as they come."""
+        with upstream_errors():
+            stream = await self.openai.chat.completions.create(**request)
+            async for chunk in stream:
+                if chunk.usage is not None:
+                    result.prompt_tokens = chunk.usage.prompt_tokens
+                    result.completion_tokens = chunk.usage.completion_tokens
+                    details = chunk.usage.prompt_tokens_details
+                    result.cached_tokens = (details.cached_tokens or 0) if details else 0
+                for choice in chunk.choices:
+                    result.finish_reason = choice.finish_reason or result.finish_reason
+                    if choice.delta and choice.delta.content:
+                        result.text += choice.delta.content
+                        yield Delta(choice.delta.content)
+
+    async def tokenize(self, messages: list[dict]) -> list[int]:
+        """Token ids of the prompt exactly as vLLM will build it (chat template + generation prompt)."""
+        body = {"model": self.model, "messages": messages, "add_generation_prompt": True}
+        return (await self._post("/tokenize", body))["tokens"]
+
+    async def list_models(self) -> list[dict]:
+        with upstream_errors():
+            response = await self.http.get("/v1/models")
+            response.raise_for_status()
+            return response.json()["data"]
+
+    async def metrics_text(self) -> str:
+        with upstream_errors():
+            response = await self.http.get("/metrics")
+            response.raise_for_status()
+            return response.text
+
+    async def reset_prefix_cache(self) -> None:
+        """Needs vLLM started with VLLM_SERVER_DEV_MODE=1 (benchmarks only)."""
+        await self._post("/reset_prefix_cache", None)
+
+    async def _post(self, path: str, body: dict | None) -> dict:
+        with upstream_errors():
+            response = await self.http.post(path, json=body)
+            if response.status_code == 400:
+                raise BadRequest(_upstream_message(response))
+            response.raise_for_status()
+            return response.json() if response.content else {}
+
+
+class upstream_errors:
+    """Translate SDK/HTTP failures into the service's named errors (a context manager for sync + async use)."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc is None or not isinstance(exc, (openai.OpenAIError, httpx.HTTPError)):
+            return False
+        if isinstance(exc, (openai.APITimeoutError, httpx.TimeoutException)):
+            raise UpstreamTimeout(f"vLLM did not answer in time: {exc}") from exc
+        if isinstance(exc, (openai.APIConnectionError, httpx.TransportError)):
+            raise UpstreamUnavailable(f"vLLM is not reachable: {exc}") from exc
+        if isinstance(exc, openai.BadRequestError):
+            raise BadRequest(f"vLLM rejected the request: {exc.message}") from exc
+        status = getattr(getattr(exc, "response", None), "status_code", None)
+        if status in (502, 503, 504):
+            raise UpstreamUnavailable(f"vLLM answered {status}") from exc
+        raise UpstreamError(f"vLLM error ({status}): {exc}") from exc
+
+
+def _upstream_message(response: httpx.Response) -> str:
+    try:
+        return response.json()["error"]["message"]
+    except Exception:
+        return response.text[:500]
+
+
+def parse_metric_labels(metrics_text: str, name: str) -> dict[str, str] | None:
+    """Labels of the first sample of an info-style gauge, e.g. ``vllm:cache_config_info``."""
+    for line in metrics_text.splitlines():
+        if line.startswith(name + "{"):
+            return dict(_LABELS.findall(line[len(name):line.rindex("}") + 1]))
+    return None
+
+
+def metric_total(metrics_text: str, name: str) -> float:
+    """Sum of all samples of a counter (all engines/models)."""
+    total = 0.0
+    for line in metrics_text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            total += float(line.rsplit(" ", 1)[1])
+    return total

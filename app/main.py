@@ -1,0 +1,63 @@
+"""``create_app(settings)``: the FastAPI factory. Clients are built once, in ``lifespan``; nothing at import."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+
+from app.http_errors import install_error_handlers
+from app.settings import Settings
+
+log = logging.getLogger("prefixrag")
+
+
+def create_app(settings: Settings | None = None, *, embedder=None) -> FastAPI:
+    """Build the app. ``embedder`` may be passed in to share one loaded encoder (tests, benchmarks)."""
+    settings = settings or Settings()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        from app.llm import LLMClient
+        from app.metrics import ServiceMetrics
+        from app.rag.context import PromptBuilder
+        from app.rag.prompts import PromptTemplates
+        from app.rag.retriever import Retriever
+        from app.rag.service import RAGService
+        from app.rag.upstream import Upstream
+        from ingest.embedder import Embedder
+
+        templates = PromptTemplates.load(settings.service.prompts_dir)  # fail fast on a broken template
+        executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="retrieve")
+        encoder = embedder or await asyncio.get_running_loop().run_in_executor(executor, Embedder, settings.embedding)
+        llm = LLMClient(settings.vllm)
+        upstream = Upstream(llm, settings.vllm)
+        metrics = ServiceMetrics()
+        retriever = Retriever(encoder, settings.chroma, executor)
+        app.state.settings, app.state.upstream, app.state.metrics = settings, upstream, metrics
+        app.state.service = RAGService(settings.generation, retriever, llm, PromptBuilder(templates), upstream,
+                                       metrics)
+        monitor = asyncio.create_task(upstream.run_forever(), name="vllm-monitor")
+        log.info("prefixrag serving collection %r from %s; vLLM at %s", settings.chroma.collection,
+                 settings.chroma.url or settings.chroma.path, settings.vllm.url)
+        try:
+            yield
+        finally:
+            monitor.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await monitor
+            await llm.aclose()
+            executor.shutdown(wait=False, cancel_futures=True)
+
+    app = FastAPI(title="prefixrag", version="0.1.0", lifespan=lifespan,
+                  description="Retrieval-augmented answers from vLLM, with prompts built for prefix-cache hits.")
+    install_error_handlers(app)
+    from app.routers import ask, health
+
+    app.include_router(health.router)
+    app.include_router(ask.router)
+    return app

@@ -1,0 +1,39 @@
+"""Prometheus metrics of the service (own registry per app, so tests can build many apps)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_LATENCY_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60)
+
+
+class ServiceMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("prefixrag_requests_total", "Requests by endpoint and status.",
+                                ["endpoint", "status"], registry=r)
+        self.latency = Histogram("prefixrag_request_seconds", "End-to-end answer latency.", ["endpoint"],
+                                 buckets=_LATENCY_BUCKETS, registry=r)
+        self.ttft = Histogram("prefixrag_ttft_seconds", "Request received -> first answer token.", ["strategy"],
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("prefixrag_prompt_tokens_total", "Prompt tokens sent to vLLM.",
+                                     ["strategy"], registry=r)
+        self.cached_tokens = Counter("prefixrag_cached_tokens_total", "Prompt tokens vLLM served from cache.",
+                                     ["strategy"], registry=r)
+        self.hit_rate = Gauge("prefixrag_prefix_cache_hit_rate", "cached_tokens / prompt_tokens since start.",
+                              ["strategy"], registry=r)
+        self.upstream_ready = Gauge("prefixrag_upstream_ready", "1 when vLLM is reachable and warm.", registry=r)
+        self.warmup_tokens = Gauge("prefixrag_warmup_tokens", "Prompt tokens pre-warmed in vLLM's cache.",
+                                   registry=r)
+        self._totals: dict[str, list[int]] = {}
+
+    def observe_answer(self, strategy: str, prompt_tokens: int, cached_tokens: int, ttft_s: float | None) -> None:
+        self.prompt_tokens.labels(strategy).inc(prompt_tokens)
+        self.cached_tokens.labels(strategy).inc(cached_tokens)
+        totals = self._totals.setdefault(strategy, [0, 0])
+        totals[0] += prompt_tokens
+        totals[1] += cached_tokens
+        self.hit_rate.labels(strategy).set(totals[1] / totals[0] if totals[0] else 0.0)
+        if ttft_s is not None:
+            self.ttft.labels(strategy).observe(ttft_s)

@@ -1,0 +1,82 @@
+"""Wire schemas: the /ask API and the OpenAI shapes we mirror (errors, models, chat completions)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+# --- errors: {"error": {"message", "type", "param", "code"}} everywhere -------------------------------------
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail
+
+
+# --- /ask --------------------------------------------------------------------------------------------------
+class AskFilters(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    source_prefix: str | None = Field(None, description="Only chunks whose source path starts with this.")
+
+
+class AskRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    question: str = Field(description="The question, in natural language.")
+    top_k: int | None = Field(None, description="Chunks to retrieve (1..RAG_GENERATION__MAX_TOP_K).")
+    filters: AskFilters | None = None
+    max_tokens: int | None = Field(None, ge=1, le=32768, description="Cap on answer tokens.")
+    stream: bool = Field(False, description="Stream Server-Sent Events: deltas, then a final 'done' event.")
+
+
+class Source(BaseModel):
+    id: str = Field(description="Stable chunk id, as cited in the prompt.")
+    document: str = Field(description="Document id (path relative to the ingest root, or record id).")
+    title: str
+    score: float = Field(description="Cosine similarity to the question.")
+    chunk_index: int
+
+
+class AskUsage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = Field(description="Prompt tokens vLLM served from its prefix cache.")
+
+
+class Timings(BaseModel):
+    retrieve: float = Field(description="Embed the question + query Chroma (ms).")
+    assemble: float = Field(description="Order, render and fit the prompt to the token budget (ms).")
+    ttft: float = Field(description="Request received -> first answer token (ms).")
+    total: float = Field(description="Request received -> answer complete (ms).")
+
+
+class AskResponse(BaseModel):
+    answer: str
+    sources: list[Source]
+    usage: AskUsage
+    timings_ms: Timings
+    strategy: str = Field(description="Context strategy that built the prompt.")
+    finish_reason: str | None = None
+
+
+# --- OpenAI: models ---------------------------------------------------------------------------------------
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "prefixrag"
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    return ErrorResponse(error=ErrorDetail(message=message, type=type_, param=param, code=code)).model_dump()

@@ -1,0 +1,65 @@
+"""Prompt templates as data (``prompts/*.toml``), loaded once; one strict renderer.
+
+Values are substituted in a single pass with ``string.Template``: a missing variable raises, and text that
+arrives inside a value (a document, a question) is never parsed as a template itself.
+"""
+
+from __future__ import annotations
+
+import re
+import string
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+REQUIRED = {("system", "text"), ("context", "block"), ("context", "document"), ("context", "empty"),
+            ("question", "text")}
+# Strings a chat template or tokenizer treats as structure: role markers / special tokens and our delimiters.
+_SPECIAL = re.compile(r"<\|(?=[^<>]{0,40}\|>)|\|>")
+_DELIMITER = re.compile(r"<(/?)(documents?)\b", re.IGNORECASE)
+
+
+class TemplateError(Exception):
+    """A template file is missing, incomplete, or was rendered without one of its variables."""
+
+
+def inert(text: str) -> str:
+    """Neutralise delimiters and role markers inside untrusted text, keeping it readable.
+
+    ``<|im_start|>`` becomes ``<\u200b|im_start|\u200b>`` (not one special token any more) and ``</document>``
+    becomes ``&lt;/document>`` so a chunk can neither close its block nor open a new chat turn.
+    """
+    text = _SPECIAL.sub(lambda m: "<\u200b|" if m.group(0) == "<|" else "|\u200b>", text)
+    return _DELIMITER.sub(lambda m: f"&lt;{m.group(1)}{m.group(2)}", text)
+
+
+def attribute(text: str) -> str:
+    return inert(text).replace('"', "&quot;").replace("\n", " ")
+
+
+@dataclass(frozen=True)
+class PromptTemplates:
+    parts: dict[tuple[str, str], string.Template]
+    source: Path
+
+    @classmethod
+    def load(cls, directory: Path, name: str = "rag") -> "PromptTemplates":
+        path = Path(directory) / f"{name}.toml"
+        try:
+            data = tomllib.loads(path.read_text(encoding="utf-8"))
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise TemplateError(f"cannot load prompt templates {path}: {exc}") from exc
+        parts = {(section, key): string.Template(value) for section, table in data.items()
+                 if isinstance(table, dict) for key, value in table.items() if isinstance(value, str)}
+        missing = REQUIRED - parts.keys()
+        if missing:
+            raise TemplateError(f"{path} lacks {sorted('.'.join(m) for m in missing)}")
+        return cls(parts, path)
+
+    def render(self, section: str, key: str, **values: object) -> str:
+        try:
+            return self.parts[(section, key)].substitute(values)
+        except KeyError as exc:
+            raise TemplateError(f"template {section}.{key} needs variable {exc.args[0]!r}") from None
+        except ValueError as exc:
+            raise TemplateError(f"template {section}.{key}: {exc}") from None

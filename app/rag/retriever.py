@@ -1,0 +1,71 @@
+"""Question -> ranked chunks. Embedding and the Chroma query run on a worker thread, never on the event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from app.errors import UpstreamUnavailable
+from app.rag.context import ContextChunk
+from app.settings import ChromaSettings
+from ingest.store import StoreError, open_collection
+
+SOURCES_TTL_S = 60.0  # how long the list of sources (for prefix filters) is reused
+
+
+class Retriever:
+    def __init__(self, embedder, chroma: ChromaSettings, executor: ThreadPoolExecutor) -> None:
+        self.embedder, self.chroma, self.executor = embedder, chroma, executor
+        self._collection = None
+        self._sources: tuple[float, list[str]] = (0.0, [])
+
+    @property
+    def collection(self):
+        # Opened lazily and retried per request: the service may start before the first ingest.
+        if self._collection is None:
+            try:
+                self._collection = open_collection(self.chroma, self.embedder.name, self.embedder.dimension,
+                                                   create=False)
+            except StoreError as exc:
+                raise UpstreamUnavailable(str(exc), code="collection_unavailable") from exc
+        return self._collection
+
+    async def retrieve(self, question: str, k: int, source_prefix: str | None = None) -> list[ContextChunk]:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.executor, self.retrieve_sync, question, k, source_prefix)
+
+    def retrieve_sync(self, question: str, k: int, source_prefix: str | None = None) -> list[ContextChunk]:
+        vector = self.embedder.embed([question])[0]
+        where = self._where(source_prefix)
+        if where == {"source": {"$in": []}}:
+            return []  # the filter matches no source at all
+        try:
+            found = self.collection.query(query_embeddings=[vector], n_results=k, where=where,
+                                          include=["documents", "metadatas", "distances"])
+        except Exception as exc:
+            raise UpstreamUnavailable(f"Chroma query failed: {exc}", code="collection_unavailable") from exc
+        rows = zip(found["ids"][0], found["documents"][0], found["metadatas"][0], found["distances"][0])
+        return [to_chunk(chunk_id, text, meta, 1.0 - distance, rank)
+                for rank, (chunk_id, text, meta, distance) in enumerate(rows)]
+
+    def _where(self, source_prefix: str | None) -> dict | None:
+        if not source_prefix:
+            return None
+        return {"source": {"$in": [s for s in self.sources() if s.startswith(source_prefix)]}}
+
+    def sources(self) -> list[str]:
+        fetched_at, sources = self._sources
+        if time.monotonic() - fetched_at > SOURCES_TTL_S:
+            metas = self.collection.get(include=["metadatas"])["metadatas"]
+            sources = sorted({meta["source"] for meta in metas})
+            self._sources = (time.monotonic(), sources)
+        return sources
+
+
+def to_chunk(chunk_id: str, text: str, meta: dict, score: float = 0.0, rank: int = 0) -> ContextChunk:
+    return ContextChunk(
+        id=chunk_id, doc_id=meta["doc_id"], chunk_index=int(meta["chunk_index"]), text=text,
+        title=meta.get("title", ""), headings=meta.get("headings", ""), score=round(float(score), 4), rank=rank,
+        parent_id=meta.get("parent_id", ""), parent_pos=int(meta.get("parent_pos", 0)),
+    )

@@ -1,0 +1,57 @@
+"""POST /ask: translate HTTP <-> the RAG service; JSON or Server-Sent Events."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+
+from fastapi import APIRouter
+from fastapi.responses import StreamingResponse
+
+from app.deps import Authorized, MetricsDep, ServiceDep
+from app.errors import ServiceError
+from app.llm import Delta
+from app.protocol import AskRequest, AskResponse, AskUsage, ErrorResponse, Source, Timings, error_body
+from app.rag.service import Answer, Query
+
+router = APIRouter(tags=["ask"], dependencies=[Authorized])
+ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 503, 504)}
+
+
+@router.post("/ask", response_model=AskResponse, responses=ERRORS)
+async def ask(body: AskRequest, service: ServiceDep, metrics: MetricsDep):
+    query = Query(question=body.question, top_k=body.top_k, max_tokens=body.max_tokens,
+                  source_prefix=body.filters.source_prefix if body.filters else None)
+    if body.stream:
+        service.validate(query)  # bad input is a 400, not an error event inside a 200 stream
+        return StreamingResponse(_sse(service.answer_stream(query)), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    with metrics.latency.labels("ask").time():
+        answer = await service.answer(query)
+    metrics.requests.labels("ask", "200").inc()
+    return to_response(answer)
+
+
+def to_response(answer: Answer) -> AskResponse:
+    return AskResponse(
+        answer=answer.text,
+        sources=[Source(id=c.id, document=c.doc_id, title=c.title, score=c.score, chunk_index=c.chunk_index)
+                 for c in answer.sources],
+        usage=AskUsage(prompt_tokens=answer.completion.prompt_tokens,
+                       completion_tokens=answer.completion.completion_tokens,
+                       cached_tokens=answer.completion.cached_tokens),
+        timings_ms=Timings(**answer.timings_ms), strategy=answer.strategy,
+        finish_reason=answer.completion.finish_reason,
+    )
+
+
+async def _sse(events: AsyncIterator[Delta | Answer]) -> AsyncIterator[str]:
+    """``event: delta`` {"text"} per token batch, then ``event: done`` with the full response, or ``event: error``."""
+    try:
+        async for event in events:
+            if isinstance(event, Delta):
+                yield f"event: delta\ndata: {json.dumps({'text': event.text})}\n\n"
+            else:
+                yield f"event: done\ndata: {to_response(event).model_dump_json()}\n\n"
+    except ServiceError as exc:
+        yield f"event: error\ndata: {json.dumps(error_body(exc.message, exc.type, exc.param, exc.code))}\n\n"
