@@ -81,3 +81,26 @@ def chroma_server(tmp_path_factory):
 def run_cli(*args: str, env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "ingest", *args], cwd=ROOT, capture_output=True, text=True,
                           env=os.environ | (env or {}), timeout=timeout)
+
+
+@pytest.fixture(scope="session")
+def vllm_url(tmp_path_factory):
+    """A real vLLM CPU server (dummy-weight test model, prefix caching on), once per test session."""
+    from tests.servers import start_vllm
+
+    port = free_port()
+    log = tmp_path_factory.mktemp("vllm") / "vllm.log"
+    process = start_vllm(port, log)
+    try:
+        wait_for_http(f"http://127.0.0.1:{port}/v1/models", 600, process)
+    except Exception:
+        print(log.read_text()[-5000:])
+        raise
+    yield f"http://127.0.0.1:{port}/v1"
+    import signal
+
+    os.killpg(process.pid, signal.SIGTERM)
+    try:
+        process.wait(30)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)

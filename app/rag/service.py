@@ -58,6 +58,15 @@ class RAGService:
 
     async def answer_stream(self, query: Query) -> AsyncIterator[Delta | Answer]:
         """Yield answer deltas as vLLM produces them, then one final ``Answer``."""
+        try:
+            async for event in self._answer_stream(query):
+                yield event
+        except UpstreamUnavailable as exc:
+            if exc.code != "collection_unavailable":  # vLLM went away: readiness drops, the monitor re-probes
+                self.upstream.mark_down(exc.message)
+            raise
+
+    async def _answer_stream(self, query: Query) -> AsyncIterator[Delta | Answer]:
         question, top_k, max_tokens = self.validate(query)
         info = self.upstream.require()
         started = query.received_at
@@ -71,13 +80,9 @@ class RAGService:
             messages, max_tokens=max_tokens, prefix_key=prefix_key(kept),
             temperature=self.settings.temperature if query.temperature is None else query.temperature)
         completion, first_token = Completion(), None
-        try:
-            async for delta in self.llm.stream_chat(request, completion):
-                first_token = first_token or time.perf_counter()
-                yield delta
-        except UpstreamUnavailable as exc:
-            self.upstream.mark_down(exc.message)
-            raise
+        async for delta in self.llm.stream_chat(request, completion):
+            first_token = first_token or time.perf_counter()
+            yield delta
         done = time.perf_counter()
         ttft = (first_token or done) - started
         self.metrics.observe_answer("canonical", completion.prompt_tokens, completion.cached_tokens, ttft)

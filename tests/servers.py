@@ -1,0 +1,109 @@
+"""Real servers for tests: the vLLM CPU test model, the app under uvicorn, and a TCP proxy that can cut
+the app off from vLLM (vLLM itself keeps running: restarting it costs ~40 s on CPU)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import uvicorn
+
+from tests.conftest import ROOT, free_port, wait_for_http
+
+
+def start_vllm(port: int, log_path: Path, max_model_len: int = 4096) -> subprocess.Popen:
+    log = open(log_path, "w")
+    return subprocess.Popen(
+        [sys.executable, "-m", "app.vllm_server", "--test-model", "--dev-mode", "--port", str(port),
+         "--max-model-len", str(max_model_len)],
+        cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=os.environ | {"PYTHONUNBUFFERED": "1"},
+        start_new_session=True)
+
+
+def reset_prefix_cache(vllm_url: str) -> None:
+    httpx.post(vllm_url.removesuffix("/v1") + "/reset_prefix_cache", timeout=30).raise_for_status()
+
+
+class AppServer:
+    """The real app on a real port, in a background thread (uvicorn runs its lifespan)."""
+
+    def __init__(self, app) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self) -> "AppServer":
+        self.thread.start()
+        wait_for_http(self.url + "/healthz", 60)
+        return self
+
+    def wait_ready(self, timeout: float = 60) -> dict:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            response = httpx.get(self.url + "/readyz", timeout=5)
+            if response.status_code == 200:
+                return response.json()
+            time.sleep(0.2)
+        raise TimeoutError(f"app not ready: {response.json()}")
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+
+
+class TcpProxy:
+    """Forward 127.0.0.1:port -> target; ``down()`` refuses and drops connections, ``up()`` restores."""
+
+    def __init__(self, target_port: int) -> None:
+        self.target_port, self.port = target_port, free_port()
+        self.loop = asyncio.new_event_loop()
+        self.server = None
+        self.writers: set[asyncio.StreamWriter] = set()
+        threading.Thread(target=self.loop.run_forever, daemon=True).start()
+
+    def _call(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(10)
+
+    def up(self) -> None:
+        self._call(self._start())
+
+    def down(self) -> None:
+        self._call(self._stop())
+
+    async def _start(self) -> None:
+        self.server = await asyncio.start_server(self._handle, "127.0.0.1", self.port)
+
+    async def _stop(self) -> None:
+        if self.server:
+            self.server.close()
+            await self.server.wait_closed()
+            self.server = None
+        for writer in list(self.writers):
+            writer.transport.abort()
+        self.writers.clear()
+
+    async def _handle(self, reader, writer) -> None:
+        try:
+            up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
+        except OSError:
+            writer.transport.abort()
+            return
+        self.writers |= {writer, up_writer}
+
+        async def pipe(src, dst):
+            with contextlib.suppress(Exception):
+                while data := await src.read(65536):
+                    dst.write(data)
+                    await dst.drain()
+            with contextlib.suppress(Exception):
+                dst.close()
+
+        await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))

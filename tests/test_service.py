@@ -1,0 +1,192 @@
+"""The query service against a real vLLM CPU server, a real on-disk Chroma and the real embedder."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import pytest
+
+from app.main import create_app
+from ingest.pipeline import run_ingest
+from tests.conftest import ROOT
+from tests.servers import AppServer, TcpProxy, reset_prefix_cache
+
+pytestmark = pytest.mark.vllm
+
+# Four one-chunk documents: with top_k=4 every question retrieves the same SET, in its own relevance order.
+FACTS = {
+    "anchors.md": "Anchors hold a ship in place by digging into the seabed with their flukes.",
+    "compass.md": "A magnetic compass needle points toward magnetic north, not the geographic pole.",
+    "sails.md": "Square sails push a ship downwind while fore-and-aft sails can sail close to the wind.",
+    "tides.md": "Tides rise and fall twice a day because of the gravitational pull of the moon.",
+}
+
+
+@pytest.fixture(scope="module")
+def collections(tmp_path_factory, embedder):
+    from app.settings import Settings
+
+    base = tmp_path_factory.mktemp("service")
+    facts = base / "facts"
+    facts.mkdir()
+    for name, text in FACTS.items():
+        (facts / name).write_text(text + "\n")
+    settings = Settings(_env_file=None)
+    settings.chroma.path = base / "chroma"
+    for name, root in (("facts", facts), ("project-docs", ROOT / "docs")):
+        settings.chroma.collection = name
+        run_ingest([root], settings, embedder)
+    return base / "chroma"
+
+
+def app_settings(chroma_path, vllm_url, collection="facts", **generation):
+    from app.settings import Settings
+
+    settings = Settings(_env_file=None)
+    settings.chroma.path, settings.chroma.collection = chroma_path, collection
+    settings.vllm.url, settings.vllm.retry_interval_s = vllm_url, 0.2
+    settings.generation = settings.generation.model_copy(update={"max_tokens": 8, **generation})
+    return settings
+
+
+def ask(server: AppServer, **body) -> httpx.Response:
+    return httpx.post(server.url + "/ask", json=body, timeout=120)
+
+
+def floor_block(tokens: int, block: int) -> int:
+    return tokens // block * block
+
+
+def test_prewarm_puts_the_system_prompt_in_cache_before_the_first_request(collections, vllm_url, embedder):
+    reset_prefix_cache(vllm_url)
+    with AppServer(create_app(app_settings(collections, vllm_url), embedder=embedder)) as server:
+        status = server.wait_ready()
+        block, warmed = status["vllm"]["block_size"], status["warmup"]["tokens"]
+        assert status["vllm"]["prefix_caching"] is True and block == 128
+        assert warmed >= block, "the stable prefix must span at least one KV block, or warm-up cannot hit"
+        first = ask(server, question="Why do tides rise and fall?")
+    assert first.status_code == 200, first.text
+    assert first.json()["usage"]["cached_tokens"] >= floor_block(warmed, block) > 0
+
+
+def test_same_set_in_other_relevance_order_gives_identical_prefix_and_hits(collections, vllm_url, embedder):
+    from app.llm import LLMClient
+    from app.rag.context import ContextChunk, PromptBuilder, canonical
+    from app.rag.prompts import PromptTemplates
+
+    reset_prefix_cache(vllm_url)
+    questions = ("Which way does a compass needle point?", "How do sails move a ship?")
+    with AppServer(create_app(app_settings(collections, vllm_url, top_k=4), embedder=embedder)) as server:
+        server.wait_ready()
+        first, second = (ask(server, question=q).json() for q in questions)
+    orders = [[s["id"] for s in answer["sources"]] for answer in (first, second)]
+    assert set(orders[0]) == set(orders[1]) and orders[0] != orders[1], "need the same set, ranked differently"
+
+    builder = PromptBuilder(PromptTemplates.load(ROOT / "prompts"))
+
+    async def token_ids():  # the prompts exactly as vLLM tokenises them, rebuilt from the cited sources
+        llm = LLMClient(app_settings(collections, vllm_url).vllm)
+        llm.model = "prefixrag-test-model"
+        streams = []
+        for question, answer in zip(questions, (first, second)):
+            chunks = [ContextChunk(id=s["id"], doc_id=s["document"], chunk_index=s["chunk_index"],
+                                   text=FACTS[s["document"]], title=s["title"]) for s in answer["sources"]]
+            streams.append(await llm.tokenize(builder.messages(canonical(chunks), question)))
+        await llm.aclose()
+        return streams
+
+    one, two = asyncio.run(token_ids())
+    assert len(one) == first["usage"]["prompt_tokens"] and len(two) == second["usage"]["prompt_tokens"]
+    shared = next(i for i, (a, b) in enumerate(zip(one, two)) if a != b)
+    question_tokens = len(two) - shared
+    assert question_tokens < 40, "prompts must differ only in the question at the end"
+    assert second["usage"]["cached_tokens"] >= floor_block(shared, 128) >= 256
+
+
+def test_over_budget_retrieval_is_trimmed_never_rejected(collections, vllm_url, embedder):
+    settings = app_settings(collections, vllm_url, collection="project-docs")
+    with AppServer(create_app(settings, embedder=embedder)) as server:
+        info = server.wait_ready()["vllm"]
+        max_tokens = info["max_model_len"] - 700  # room for the system prompt and ~2 chunks only
+        response = ask(server, question="How does prefix caching work?", top_k=12, max_tokens=max_tokens)
+        untrimmed = ask(server, question="How does prefix caching work?", top_k=12, max_tokens=8)
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert body["usage"]["prompt_tokens"] + max_tokens <= info["max_model_len"]
+    assert 0 < len(body["sources"]) < 12
+    assert untrimmed.json()["usage"]["prompt_tokens"] + max_tokens > info["max_model_len"], "trim was needed"
+    kept_ranks = [s["id"] for s in untrimmed.json()["sources"]][: len(body["sources"])]
+    assert [s["id"] for s in body["sources"]] == kept_ranks  # the lowest-ranked chunks were the ones dropped
+
+
+def test_vllm_down_gives_503_then_recovers_without_restart(collections, vllm_url, embedder):
+    vllm_port = int(vllm_url.rsplit(":", 1)[1].split("/")[0])
+    proxy = TcpProxy(vllm_port)
+    proxy.up()
+    settings = app_settings(collections, f"http://127.0.0.1:{proxy.port}/v1")
+    with AppServer(create_app(settings, embedder=embedder)) as server:
+        server.wait_ready()
+        assert ask(server, question="What do anchors do?").status_code == 200
+        proxy.down()
+        down = ask(server, question="What do anchors do?")
+        assert down.status_code == 503 and down.headers["Retry-After"]
+        assert set(down.json()["error"]) == {"message", "type", "param", "code"}
+        assert httpx.get(server.url + "/readyz").status_code == 503
+        proxy.up()
+        status = server.wait_ready(30)
+        assert status["warmup"]["done"]
+        assert ask(server, question="What do anchors do?").status_code == 200
+
+
+def test_app_starts_while_vllm_is_down_and_says_why(collections, embedder):
+    from tests.conftest import free_port
+
+    settings = app_settings(collections, f"http://127.0.0.1:{free_port()}/v1")
+    with AppServer(create_app(settings, embedder=embedder)) as server:
+        assert httpx.get(server.url + "/healthz").status_code == 200
+        deadline = time.monotonic() + 20
+        while "not reachable" not in (ready := httpx.get(server.url + "/readyz")).json()["reason"]:
+            assert time.monotonic() < deadline, ready.json()
+            time.sleep(0.2)
+        assert ready.status_code == 503 and ready.json()["ready"] is False
+        response = ask(server, question="anything")
+        assert response.status_code == 503 and response.json()["error"]["type"] == "service_unavailable"
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"question": ""}, "question"),
+    ({"question": "   "}, "question"),
+    ({"question": "x" * 5000}, "question"),
+    ({"question": "ok", "top_k": 0}, "top_k"),
+    ({"question": "ok", "top_k": 1000}, "top_k"),
+    ({"question": 42}, "question"),
+    ({}, "question"),
+    ({"question": "ok", "surprise": 1}, "surprise"),
+    ({"question": "ok", "max_tokens": -1}, "max_tokens"),
+])
+def test_bad_input_is_400_in_openai_error_shape(collections, vllm_url, embedder, body, param):
+    with AppServer(create_app(app_settings(collections, vllm_url), embedder=embedder)) as server:
+        response = ask(server, **body)
+        streamed = httpx.post(server.url + "/ask", json=body | {"stream": True}, timeout=60)
+    for reply in (response, streamed):
+        assert reply.status_code == 400, reply.text
+        error = reply.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"}
+        assert error["type"] == "invalid_request_error" and error["param"] == param and error["message"]
+
+
+def test_streaming_ask_sends_deltas_then_sources_and_usage(collections, vllm_url, embedder):
+    with AppServer(create_app(app_settings(collections, vllm_url), embedder=embedder)) as server:
+        server.wait_ready()
+        with httpx.stream("POST", server.url + "/ask", json={"question": "What do anchors do?", "stream": True},
+                          timeout=60) as response:
+            assert response.headers["content-type"].startswith("text/event-stream")
+            events = [line for line in response.iter_lines() if line.startswith(("event:", "data:"))]
+    kinds = [line.split(": ", 1)[1] for line in events if line.startswith("event:")]
+    assert kinds[0] == "delta" and kinds[-1] == "done" and "error" not in kinds
+    done = json.loads(events[-1].split(": ", 1)[1])
+    deltas = "".join(json.loads(l.split(": ", 1)[1])["text"] for l, k in zip(events[1::2], kinds) if k == "delta")
+    assert done["answer"] == deltas and done["sources"] and done["usage"]["prompt_tokens"] > 0
