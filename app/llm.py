@@ -46,7 +46,7 @@ class LLMClient:
         await self.http.aclose()
 
     def chat_request(self, messages: list[dict], *, max_tokens: int, temperature: float, prefix_key: str,
-                     stream: bool = True, **options) -> dict:
+                     stream: bool = True, repetition_penalty: float | None = None, **options) -> dict:
         """Keyword arguments for ``chat.completions.create``: the single definition of a vLLM request."""
         request = {
             "model": self.model, "messages": messages, "max_tokens": max_tokens, "temperature": temperature,
@@ -54,6 +54,8 @@ class LLMClient:
         }
         if stream:
             request["stream_options"] = {"include_usage": True}
+        if repetition_penalty is not None:
+            request["extra_body"] = {"repetition_penalty": repetition_penalty}  # vLLM sampling extension
         request.update({k: v for k, v in options.items() if v is not None})
         return request
 

@@ -91,6 +91,8 @@ class GenerationSettings(BaseModel):
     max_top_k: int = Field(100, ge=1, description="Largest top_k a request may ask for.")
     max_tokens: int = Field(256, ge=1, description="Default answer length cap in tokens.")
     temperature: float = Field(0.0, ge=0, le=2, description="Sampling temperature.")
+    repetition_penalty: float | None = Field(
+        None, gt=0, description="vLLM repetition_penalty (small models loop without one; e.g. 1.2 for SmolLM2).")
     max_question_chars: int = Field(4000, ge=1, description="Longest accepted question, in characters.")
     strategy: Literal["canonical", "document", "reuse", "corpus", "auto"] = Field(
         "canonical", description="How retrieved context becomes the prompt (see README: strategies).")

@@ -78,6 +78,7 @@ class RAGService:
         assembled = time.perf_counter()
         request = self.llm.chat_request(
             messages, max_tokens=max_tokens, prefix_key=prefix_key(kept),
+            repetition_penalty=self.settings.repetition_penalty,
             temperature=self.settings.temperature if query.temperature is None else query.temperature)
         completion, first_token = Completion(), None
         async for delta in self.llm.stream_chat(request, completion):
