@@ -56,8 +56,10 @@ def create_app(settings: Settings | None = None, *, embedder=None) -> FastAPI:
     app = FastAPI(title="prefixrag", version="0.1.0", lifespan=lifespan,
                   description="Retrieval-augmented answers from vLLM, with prompts built for prefix-cache hits.")
     install_error_handlers(app)
-    from app.routers import ask, health
+    from app.routers import ask, health, openai_chat, page
 
     app.include_router(health.router)
     app.include_router(ask.router)
+    app.include_router(openai_chat.router)
+    app.include_router(page.router)
     return app

@@ -6,35 +6,44 @@ prompt is still a pure function of the set it contains. vLLM is never sent a pro
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from app.errors import BadRequest
-from app.rag.context import ContextChunk, PromptBuilder
+from app.rag.context import ContextChunk
 
 MAX_ROUNDS = 8
+Render = Callable[[list[ContextChunk]], list[dict]]
 
 
-async def fit_to_budget(builder: PromptBuilder, llm, ordered: list[ContextChunk], question: str,
-                        budget: int) -> tuple[list[dict], list[ContextChunk], int]:
-    kept = list(ordered)
+class OverBudget(BadRequest):
+    code = "context_length_exceeded"
+
+
+async def fit_to_budget(render: Render, llm, chunks: list[ContextChunk], budget: int,
+                        chunk_chars: Callable[[ContextChunk], int]) -> tuple[list[dict], list[ContextChunk], int]:
+    """Render with as many of ``chunks`` as fit; ``chunk_chars`` tells how much text one chunk adds."""
+    kept = list(chunks)
     for _ in range(MAX_ROUNDS):
-        messages = builder.messages(kept, question)
+        messages = render(kept)
         tokens = len(await llm.tokenize(messages))
         if tokens <= budget:
             return messages, kept, tokens
         if not kept:
             break
-        kept = _drop_lowest_ranked(builder, kept, excess=tokens - budget, tokens=tokens, messages=messages)
-    raise BadRequest(f"the question alone does not fit the model's context window ({budget} tokens for the "
-                     "prompt); shorten it or lower max_tokens", param="question", code="context_length_exceeded")
+        chars_per_token = sum(len(m["content"]) for m in messages) / max(tokens, 1)
+        kept = _drop_lowest_ranked(kept, (tokens - budget) * chars_per_token, chunk_chars)
+    raise OverBudget(f"the prompt does not fit the model's context window ({budget} tokens for the prompt) even "
+                     "without retrieved context; shorten the question or conversation, or lower max_tokens",
+                     param="messages")
 
 
-def _drop_lowest_ranked(builder: PromptBuilder, kept: list[ContextChunk], *, excess: int, tokens: int,
-                        messages: list[dict]) -> list[ContextChunk]:
-    # Estimate each chunk's tokens from its share of the prompt's characters; the next round re-measures.
-    chars_per_token = sum(len(m["content"]) for m in messages) / max(tokens, 1)
-    dropped, freed = set(), 0.0
+def _drop_lowest_ranked(kept: list[ContextChunk], excess_chars: float,
+                        chunk_chars: Callable[[ContextChunk], int]) -> list[ContextChunk]:
+    # Estimate from each chunk's share of the prompt's characters; the next round re-measures exactly.
+    dropped, freed = set(), 0
     for chunk in sorted(kept, key=lambda c: c.rank, reverse=True):
         dropped.add(chunk.id)
-        freed += len(builder.render_chunk(chunk)) / chars_per_token
-        if freed >= excess:
+        freed += chunk_chars(chunk)
+        if freed >= excess_chars:
             break
     return [chunk for chunk in kept if chunk.id not in dropped]

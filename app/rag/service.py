@@ -4,17 +4,23 @@ from __future__ import annotations
 
 import hashlib
 import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from app.errors import BadRequest, UpstreamUnavailable
 from app.llm import Completion, Delta, LLMClient
 from app.metrics import ServiceMetrics
-from app.rag.budget import fit_to_budget
+from app.rag.budget import OverBudget, fit_to_budget
 from app.rag.context import ContextChunk, PromptBuilder, canonical
+from app.rag.conversation import Turn, conversation_messages, new_context_per_turn
 from app.rag.retriever import Retriever
 from app.rag.upstream import Upstream, WarmupStatus
 from app.settings import GenerationSettings
+
+
+STRATEGY = "canonical"
+RETRIEVAL_CACHE_SIZE = 1024
 
 
 @dataclass
@@ -25,6 +31,34 @@ class Query:
     max_tokens: int | None = None
     temperature: float | None = None
     received_at: float = field(default_factory=time.perf_counter)
+
+
+@dataclass
+class ChatQuery:
+    turns: list[Turn]
+    system: str = ""
+    top_k: int | None = None
+    source_prefix: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: list[str] | None = None
+    received_at: float = field(default_factory=time.perf_counter)
+
+
+class Clock:
+    """Marks the phases of one request, all measured from its arrival."""
+
+    def __init__(self, started: float) -> None:
+        self.started, self.marks = started, {"start": started}
+
+    def mark(self, phase: str) -> None:
+        self.marks[phase] = time.perf_counter()
+
+    def timings(self, ttft: float, done: float) -> dict[str, float]:
+        retrieve, assemble = self.marks["retrieve"], self.marks["assemble"]
+        return {"retrieve": ms(retrieve - self.started), "assemble": ms(assemble - retrieve), "ttft": ms(ttft),
+                "total": ms(done - self.started)}
 
 
 @dataclass
@@ -42,6 +76,7 @@ class RAGService:
         self.settings, self.retriever, self.llm, self.builder = settings, retriever, llm, builder
         self.upstream, self.metrics = upstream, metrics
         upstream.warm = self.warm
+        self._retrievals: OrderedDict[tuple, list[ContextChunk]] = OrderedDict()
 
     def validate(self, query: Query) -> tuple[str, int, int]:
         question = query.question.strip() if isinstance(query.question, str) else ""
@@ -69,36 +104,102 @@ class RAGService:
     async def _answer_stream(self, query: Query) -> AsyncIterator[Delta | Answer]:
         question, top_k, max_tokens = self.validate(query)
         info = self.upstream.require()
-        started = query.received_at
+        clock = Clock(query.received_at)
         ranked = await self.retriever.retrieve(question, top_k, query.source_prefix)
-        retrieved = time.perf_counter()
-        ordered = canonical(ranked)
-        messages, kept, _ = await fit_to_budget(self.builder, self.llm, ordered, question,
-                                                self._budget(info.max_model_len, max_tokens))
-        assembled = time.perf_counter()
+        clock.mark("retrieve")
+        messages, kept, _ = await fit_to_budget(
+            lambda chunks: self.builder.messages(chunks, question), self.llm, canonical(ranked),
+            self._budget(info.max_model_len, max_tokens), self._chunk_chars)
+        clock.mark("assemble")
+        async for event in self._generate(messages, kept, max_tokens, query.temperature, clock):
+            yield event
+
+    async def chat_stream(self, chat: ChatQuery) -> AsyncIterator[Delta | Answer]:
+        """Like ``answer_stream`` for a conversation whose prompt extends the previous turn's prompt."""
+        try:
+            async for event in self._chat_stream(chat):
+                yield event
+        except UpstreamUnavailable as exc:
+            if exc.code != "collection_unavailable":
+                self.upstream.mark_down(exc.message)
+            raise
+
+    async def _chat_stream(self, chat: ChatQuery) -> AsyncIterator[Delta | Answer]:
+        questions = [turn.content for turn in chat.turns if turn.role == "user"]
+        _, top_k, max_tokens = self.validate(Query(questions[-1], chat.top_k, None, chat.max_tokens))
+        info = self.upstream.require()
+        clock = Clock(chat.received_at)
+        retrieved = [await self._retrieve_cached(q, top_k, chat.source_prefix) for q in questions]
+        clock.mark("retrieve")
+        contexts = new_context_per_turn(retrieved)
+        budget = self._budget(info.max_model_len, max_tokens)
+        turns = list(chat.turns)
+        while True:
+            def render(last: list[ContextChunk]) -> list[dict]:
+                return conversation_messages(self.builder, turns, contexts[:-1] + [last], chat.system)
+
+            try:
+                messages, kept, _ = await fit_to_budget(render, self.llm, contexts[-1], budget, self._chunk_chars)
+                break
+            except OverBudget:
+                # Even without new context the conversation is too long: drop the oldest exchange (this
+                # request then misses the cache, as its prefix changed) and try again.
+                if len(contexts) == 1:
+                    raise
+                turns, contexts = _drop_oldest_exchange(turns), contexts[1:]
+        clock.mark("assemble")
+        in_prompt = {c.id for c in kept} | {c.id for ctx in contexts[:-1] for c in ctx}
+        sources = [c for c in retrieved[-1] if c.id in in_prompt]
+        async for event in self._generate(messages, sources, max_tokens, chat.temperature, clock,
+                                          top_p=chat.top_p, stop=chat.stop):
+            yield event
+
+    async def _retrieve_cached(self, question: str, top_k: int, source_prefix: str | None) -> list[ContextChunk]:
+        # Earlier turns are re-retrieved on every request; an LRU keeps that to one Chroma query per new turn.
+        key = (question, top_k, source_prefix)
+        if key in self._retrievals:
+            self._retrievals.move_to_end(key)
+            return self._retrievals[key]
+        ranked = await self.retriever.retrieve(question, top_k, source_prefix)
+        self._retrievals[key] = ranked
+        if len(self._retrievals) > RETRIEVAL_CACHE_SIZE:
+            self._retrievals.popitem(last=False)
+        return ranked
+
+    async def _generate(self, messages: list[dict], sources: list[ContextChunk], max_tokens: int,
+                        temperature: float | None, clock: "Clock", **options) -> AsyncIterator[Delta | Answer]:
         request = self.llm.chat_request(
-            messages, max_tokens=max_tokens, prefix_key=prefix_key(kept),
-            repetition_penalty=self.settings.repetition_penalty,
-            temperature=self.settings.temperature if query.temperature is None else query.temperature)
+            messages, max_tokens=max_tokens, prefix_key=prefix_key(canonical(sources)),
+            temperature=self.settings.temperature if temperature is None else temperature,
+            repetition_penalty=self.settings.repetition_penalty, **options)
         completion, first_token = Completion(), None
         async for delta in self.llm.stream_chat(request, completion):
             first_token = first_token or time.perf_counter()
             yield delta
         done = time.perf_counter()
-        ttft = (first_token or done) - started
-        self.metrics.observe_answer("canonical", completion.prompt_tokens, completion.cached_tokens, ttft)
-        yield Answer(
-            text=completion.text, sources=sorted(kept, key=lambda c: c.rank), completion=completion,
-            strategy="canonical",
-            timings_ms={"retrieve": ms(retrieved - started), "assemble": ms(assembled - retrieved),
-                        "ttft": ms(ttft), "total": ms(done - started)},
-        )
+        ttft = (first_token or done) - clock.started
+        self.metrics.observe_answer(STRATEGY, completion.prompt_tokens, completion.cached_tokens, ttft)
+        yield Answer(text=completion.text, sources=sorted(sources, key=lambda c: c.rank), completion=completion,
+                     strategy=STRATEGY, timings_ms=clock.timings(ttft, done))
+
+    def _chunk_chars(self, chunk: ContextChunk) -> int:
+        return len(self.builder.render_chunk(chunk))
+
+    def validate_chat(self, chat: ChatQuery) -> None:
+        """Bad conversations are 400s before any streaming starts."""
+        if not chat.turns or chat.turns[-1].role != "user":
+            raise BadRequest("the last message must be a user message", param="messages")
+        for number, turn in enumerate(chat.turns):
+            if turn.role == "user" and not turn.content.strip():
+                raise BadRequest(f"messages[{number}]: user content must be non-empty text", param="messages",
+                                 code="empty_question")
+        self.validate(Query(chat.turns[-1].content, chat.top_k, None, chat.max_tokens))
+
+    async def chat(self, chat: ChatQuery) -> Answer:
+        return await _final(self.chat_stream(chat))
 
     async def answer(self, query: Query) -> Answer:
-        async for event in self.answer_stream(query):
-            if isinstance(event, Answer):
-                return event
-        raise AssertionError("answer_stream ended without an Answer")
+        return await _final(self.answer_stream(query))
 
     def _budget(self, max_model_len: int, max_tokens: int) -> int:
         if max_tokens >= max_model_len:
@@ -116,6 +217,21 @@ class RAGService:
         tokens = len(await self.llm.tokenize(messages))
         self.metrics.warmup_tokens.set(tokens)
         return WarmupStatus(done=True, tokens=tokens)
+
+
+async def _final(events: AsyncIterator[Delta | Answer]) -> Answer:
+    async for event in events:
+        if isinstance(event, Answer):
+            return event
+    raise AssertionError("the stream ended without an Answer")
+
+
+def _drop_oldest_exchange(turns: list[Turn]) -> list[Turn]:
+    """Remove the first user turn and everything up to the next user turn."""
+    first_user = next(i for i, t in enumerate(turns) if t.role == "user")
+    rest = turns[first_user + 1:]
+    next_user = next(i for i, t in enumerate(rest) if t.role == "user")
+    return turns[:first_user] + rest[next_user:]
 
 
 def prefix_key(chunks: list[ContextChunk]) -> str:

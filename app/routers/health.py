@@ -6,7 +6,7 @@ from fastapi import APIRouter
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from app.deps import MetricsDep, UpstreamDep
+from app.deps import Authorized, MetricsDep, UpstreamDep
 
 router = APIRouter(tags=["health"])
 
@@ -22,7 +22,7 @@ async def readyz(upstream: UpstreamDep) -> JSONResponse:
     return JSONResponse(status, status_code=200 if status["ready"] else 503)
 
 
-@router.get("/metrics")
+@router.get("/metrics", dependencies=[Authorized])
 async def metrics(registry: MetricsDep, upstream: UpstreamDep) -> Response:
     registry.upstream_ready.set(1 if upstream.ready else 0)
     return Response(generate_latest(registry.registry), media_type=CONTENT_TYPE_LATEST)

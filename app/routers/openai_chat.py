@@ -1,0 +1,100 @@
+"""OpenAI-compatible ``/v1/models`` and ``/v1/chat/completions`` (JSON or SSE) for chat frontends."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi import APIRouter
+from fastapi.responses import StreamingResponse
+
+from app.deps import Authorized, ServiceDep, SettingsDep
+from app.errors import BadRequest, NotFound, ServiceError
+from app.llm import Delta
+from app.protocol import (AssistantMessage, ChatChoice, ChatCompletion, ChatCompletionChunk, ChatCompletionRequest,
+                          ChatSource, ChatUsage, ChunkChoice, ChunkDelta, ErrorResponse, ModelCard, ModelList,
+                          PromptTokensDetails, error_body)
+from app.rag.conversation import Turn
+from app.rag.service import Answer, ChatQuery
+
+router = APIRouter(prefix="/v1", tags=["openai"], dependencies=[Authorized])
+ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 404, 503, 504)}
+
+
+@router.get("/models", response_model=ModelList)
+async def list_models(settings: SettingsDep) -> ModelList:
+    return ModelList(data=[ModelCard(id=settings.service.model_id)])
+
+
+@router.post("/chat/completions", response_model=ChatCompletion, responses=ERRORS)
+async def chat_completions(body: ChatCompletionRequest, service: ServiceDep, settings: SettingsDep):
+    model = settings.service.model_id
+    if body.model not in (None, model):
+        raise NotFound(f"model {body.model!r} does not exist; GET /v1/models lists {model!r}", param="model",
+                       code="model_not_found")
+    chat = to_chat_query(body)
+    service.validate_chat(chat)
+    ident, created = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time())
+    append = settings.service.append_sources
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        events = service.chat_stream(chat)
+        return StreamingResponse(_sse(events, ident, created, model, include_usage, append),
+                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    answer = await service.chat(chat)
+    return ChatCompletion(id=ident, created=created, model=model, usage=usage_of(answer),
+                          sources=sources_of(answer), choices=[ChatChoice(
+                              message=AssistantMessage(content=answer.text + (sources_text(answer) if append else "")),
+                              finish_reason=answer.completion.finish_reason or "stop")])
+
+
+def to_chat_query(body: ChatCompletionRequest) -> ChatQuery:
+    system = "\n\n".join(m.text() for m in body.messages if m.role in ("system", "developer") and m.text())
+    turns = [Turn(m.role, m.text()) for m in body.messages if m.role in ("user", "assistant")]
+    if not turns or turns[-1].role != "user":
+        raise BadRequest("the last message must be a user message", param="messages", code="invalid_messages")
+    stop = [body.stop] if isinstance(body.stop, str) else body.stop
+    return ChatQuery(turns=turns, system=system, max_tokens=body.max_completion_tokens or body.max_tokens,
+                     temperature=body.temperature, top_p=body.top_p, stop=stop)
+
+
+def usage_of(answer: Answer) -> ChatUsage:
+    c = answer.completion
+    return ChatUsage(prompt_tokens=c.prompt_tokens, completion_tokens=c.completion_tokens,
+                     total_tokens=c.prompt_tokens + c.completion_tokens,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=c.cached_tokens))
+
+
+def sources_of(answer: Answer) -> list[ChatSource]:
+    return [ChatSource(id=c.id, document=c.doc_id, title=c.title, score=c.score) for c in answer.sources]
+
+
+def sources_text(answer: Answer) -> str:
+    if not answer.sources:
+        return ""
+    return "\n\nSources:\n" + "\n".join(f"- [{c.id}] {c.title or c.doc_id}" for c in answer.sources)
+
+
+async def _sse(events: AsyncIterator[Delta | Answer], ident: str, created: int, model: str, include_usage: bool,
+               append_sources: bool) -> AsyncIterator[str]:
+    def chunk(**fields) -> str:
+        return f"data: {ChatCompletionChunk(id=ident, created=created, model=model, **fields).model_dump_json(exclude_none=True)}\n\n"
+
+    yield chunk(choices=[ChunkChoice(delta=ChunkDelta(role="assistant", content=""))])
+    try:
+        async for event in events:
+            if isinstance(event, Delta):
+                yield chunk(choices=[ChunkChoice(delta=ChunkDelta(content=event.text))])
+                continue
+            if append_sources and event.sources:
+                yield chunk(choices=[ChunkChoice(delta=ChunkDelta(content=sources_text(event)))])
+            yield chunk(choices=[ChunkChoice(delta=ChunkDelta(), finish_reason=event.completion.finish_reason
+                                             or "stop")], sources=sources_of(event))
+            if include_usage:
+                yield chunk(choices=[], usage=usage_of(event))
+    except ServiceError as exc:
+        # The openai client raises APIError on an "error" event: the stream ends clearly, never hangs.
+        yield f"data: {json.dumps(error_body(exc.message, exc.type, exc.param, exc.code))}\n\n"
+    yield "data: [DONE]\n\n"

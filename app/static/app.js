@@ -1,0 +1,105 @@
+// prefixrag chat page: keeps the conversation, streams answers from /v1/chat/completions (SSE), shows the
+// sources and cached-token count under each answer, and shows every error in the conversation.
+"use strict";
+const log = document.getElementById("log");
+const form = document.getElementById("ask");
+const input = document.getElementById("question");
+const send = document.getElementById("send");
+const keyInput = document.getElementById("api-key");
+let messages = [];
+
+keyInput.value = localStorage.getItem("prefixrag-key") || "";
+keyInput.addEventListener("change", () => localStorage.setItem("prefixrag-key", keyInput.value));
+document.getElementById("new-chat").addEventListener("click", () => { messages = []; log.replaceChildren(); });
+input.addEventListener("keydown", (e) => { if (e.key === "Enter" && !e.shiftKey) { e.preventDefault(); form.requestSubmit(); } });
+
+function addTurn(role, text) {
+  const turn = document.createElement("section");
+  turn.className = `turn ${role}`;
+  turn.innerHTML = `<div class="who"></div><div class="text"></div>`;
+  turn.querySelector(".who").textContent = role === "user" ? "you" : "prefixrag";
+  turn.querySelector(".text").textContent = text;
+  log.appendChild(turn);
+  log.scrollTop = log.scrollHeight;
+  return turn;
+}
+
+function showSources(turn, sources, usage) {
+  if (sources && sources.length) {
+    const list = document.createElement("ol");
+    list.className = "sources";
+    for (const s of sources) {
+      const item = document.createElement("li");
+      item.textContent = `${s.title || s.document} — ${s.id}`;
+      list.appendChild(item);
+    }
+    turn.appendChild(list);
+  }
+  if (usage) {
+    const meta = document.createElement("div");
+    meta.className = "meta";
+    meta.textContent = `cached tokens: ${usage.prompt_tokens_details.cached_tokens} of ${usage.prompt_tokens} prompt tokens`;
+    turn.appendChild(meta);
+  }
+}
+
+function showError(turn, message) {
+  turn.classList.add("error");
+  turn.querySelector(".text").textContent += (turn.querySelector(".text").textContent ? "\n" : "") + `Error: ${message}`;
+}
+
+async function ask(question) {
+  messages.push({ role: "user", content: question });
+  addTurn("user", question);
+  const turn = addTurn("assistant", "");
+  const text = turn.querySelector(".text");
+  const headers = { "Content-Type": "application/json" };
+  if (keyInput.value) headers.Authorization = `Bearer ${keyInput.value}`;
+  let answer = "", sources = null, usage = null;
+  try {
+    const response = await fetch("/v1/chat/completions", {
+      method: "POST", headers,
+      body: JSON.stringify({ messages, stream: true, stream_options: { include_usage: true } }),
+    });
+    if (!response.ok) {
+      const body = await response.json().catch(() => ({}));
+      throw new Error(body.error ? body.error.message : `HTTP ${response.status}`);
+    }
+    const reader = response.body.getReader();
+    const decoder = new TextDecoder();
+    let buffer = "";
+    for (;;) {
+      const { value, done } = await reader.read();
+      if (done) break;
+      buffer += decoder.decode(value, { stream: true });
+      let cut;
+      while ((cut = buffer.indexOf("\n\n")) >= 0) {
+        const event = buffer.slice(0, cut);
+        buffer = buffer.slice(cut + 2);
+        const data = event.replace(/^data: /, "");
+        if (data === "[DONE]") continue;
+        const chunk = JSON.parse(data);
+        if (chunk.error) throw new Error(chunk.error.message);
+        for (const choice of chunk.choices || []) {
+          if (choice.delta && choice.delta.content) { answer += choice.delta.content; text.textContent = answer; }
+        }
+        if (chunk.sources) sources = chunk.sources;
+        if (chunk.usage) usage = chunk.usage;
+      }
+    }
+    messages.push({ role: "assistant", content: answer });
+    showSources(turn, sources, usage);
+  } catch (err) {
+    messages.pop();  // the question was not answered: let the user ask it again
+    showError(turn, err.message);
+  }
+}
+
+form.addEventListener("submit", async (e) => {
+  e.preventDefault();
+  const question = input.value.trim();
+  if (!question) return;
+  input.value = "";
+  send.disabled = true;
+  try { await ask(question); } finally { send.disabled = false; input.focus(); }
+});
