@@ -1,0 +1,51 @@
+"""The chat page in a real browser: Debian's chromium, driven headless by Playwright (no browser download)."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from app.main import create_app
+from tests.servers import AppServer
+from tests.test_service import app_settings, collections  # noqa: F401  (fixture re-used)
+
+pytestmark = pytest.mark.vllm
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+         "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+
+
+@pytest.fixture
+def page():
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
+        yield browser.new_page()
+        browser.close()
+
+
+def test_ask_on_the_page_streams_an_answer_with_sources(page, collections, vllm_url, embedder, tmp_path):  # noqa: F811
+    settings = app_settings(collections, vllm_url, collection="project-docs", top_k=3, max_tokens=24)
+    with AppServer(create_app(settings, embedder=embedder)) as server:
+        server.wait_ready()
+        page.goto(server.url + "/")
+        page.fill("#question", "How does prefixrag order retrieved chunks?")
+        page.click("#send")
+        answer = page.locator(".turn.assistant").last
+        answer.locator(".sources li").first.wait_for(timeout=60_000)
+        assert answer.locator(".text").inner_text().strip()
+        assert answer.locator(".sources li").count() == 3
+        assert "cached tokens:" in answer.locator(".meta").inner_text()
+        page.fill("#question", "And where does the question go?")
+        page.click("#send")
+        page.locator(".turn.assistant").nth(1).locator(".meta").wait_for(timeout=60_000)
+        assert page.locator(".turn.user").count() == 2
+        page.screenshot(path=str(tmp_path / "chat.png"), full_page=True)
+        server_stopped_page = page
+    # With the server gone the page shows the failure in the conversation instead of hanging.
+    server_stopped_page.fill("#question", "Still there?")
+    server_stopped_page.click("#send")
+    page.locator(".turn.error").wait_for(timeout=30_000)
+    assert "Error" in page.locator(".turn.error .text").inner_text()
