@@ -75,6 +75,11 @@ class LLMClient:
                         result.text += choice.delta.content
                         yield Delta(choice.delta.content)
 
+    async def complete(self, request: dict):
+        """A non-streaming request (warm-up): the response, with errors translated like every other call."""
+        with upstream_errors():
+            return await self.openai.chat.completions.create(**request)
+
     async def tokenize(self, messages: list[dict]) -> list[int]:
         """Token ids of the prompt exactly as vLLM will build it (chat template + generation prompt)."""
         body = {"model": self.model, "messages": messages, "add_generation_prompt": True}

@@ -50,6 +50,7 @@ def create_app(settings: Settings | None = None, *, embedder=None) -> FastAPI:
             monitor.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await monitor
+            await app.state.service.planner.close()
             await llm.aclose()
             executor.shutdown(wait=False, cancel_futures=True)
 

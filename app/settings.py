@@ -96,6 +96,11 @@ class GenerationSettings(BaseModel):
     max_question_chars: int = Field(4000, ge=1, description="Longest accepted question, in characters.")
     strategy: Literal["canonical", "document", "reuse", "corpus", "auto"] = Field(
         "canonical", description="How retrieved context becomes the prompt (see README: strategies).")
+    max_units: int = Field(1, ge=1, description="document strategy: whole units per prompt (more units, more misses).")
+    max_unit_tokens: int = Field(8192, ge=128, description="document strategy: a bigger parent is cut into aligned windows.")
+    warm_kv_share: float = Field(0.5, gt=0, le=1, description="Share of vLLM's KV cache that unit pre-warm may fill.")
+    warm_concurrency: int = Field(2, ge=1, description="Pre-warm requests in flight (background, bounded).")
+    hotness_dir: Path | None = Field(Path("./data/hotness"), description="Where unit hotness is persisted (None: off).")
     context_budget_tokens: int | None = Field(
         None, description="Cap on prompt tokens (default: max_model_len - max_tokens).")
 

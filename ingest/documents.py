@@ -28,6 +28,7 @@ class SourceDocument:
     parent_pos: int = 0  # position within the parent, in file order
     kind: str = "text"
     warnings: list[str] = field(default_factory=list)
+    file_hash: str = ""  # set by the pipeline: the raw file's hash (with chunking/encoder identity)
 
     @property
     def text(self) -> str:

@@ -8,6 +8,7 @@ leaves extra or missing chunks that the next run detects and converges from, re-
 
 from __future__ import annotations
 
+import hashlib
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +28,8 @@ class FileResult:
     rel: str
     documents: list[SourceDocument] = field(default_factory=list)
     error: str | None = None
+    file_hash: str = ""
+    skipped_unchanged: bool = False  # the raw bytes match what is stored: not parsed at all
 
 
 def discover(roots: list[Path]) -> tuple[list[tuple[Path, str]], int]:
@@ -48,13 +51,20 @@ def discover(roots: list[Path]) -> tuple[list[tuple[Path, str]], int]:
     return found, unknown
 
 
-def load(path: Path, rel: str, settings: Settings) -> FileResult:
+def load(path: Path, rel: str, settings: Settings, identity: str, stored_by_source: dict) -> FileResult:
     result = FileResult(path, rel)
     try:
         size_mb = path.stat().st_size / 1e6
         if size_mb > settings.ingest.max_file_mb:
             raise LoadError(f"too large: {size_mb:.1f} MB > limit {settings.ingest.max_file_mb:g} MB")
+        result.file_hash = sha256(hashlib.sha256(path.read_bytes()).hexdigest(), identity)
+        known = stored_by_source.get(rel, [])
+        if known and all(doc.file_hash == result.file_hash and doc.complete for doc in known):
+            result.skipped_unchanged = True  # an unchanged file costs one hash, not a parse
+            return result
         result.documents = load_file(path, rel, settings.chunking.parent_field)
+        for document in result.documents:
+            document.file_hash = result.file_hash
     except LoadError as exc:
         result.error = str(exc)
     except (OSError, RecursionError, ValueError) as exc:
@@ -62,15 +72,19 @@ def load(path: Path, rel: str, settings: Settings) -> FileResult:
     return result
 
 
-def document_hash(document: SourceDocument, settings: Settings, embedder_name: str) -> str:
-    # Chunking parameters and the encoder are part of a document's identity: changing them re-chunks it.
+def pipeline_identity(settings: Settings, embedder_name: str) -> str:
+    # Chunking parameters and the encoder are part of every hash: changing them re-chunks everything.
     c = settings.chunking
+    return f"{c.size}/{c.overlap}/{c.parent_field}/{embedder_name}"
+
+
+def document_hash(document: SourceDocument, identity: str) -> str:
     return sha256(document.text, document.title, document.parent_id, str(document.parent_pos),
-                  repr([s.headings for s in document.sections]), f"{c.size}/{c.overlap}", embedder_name)
+                  repr([s.headings for s in document.sections]), identity)
 
 
 def is_unchanged(stored: StoredDocument | None, doc_hash: str) -> bool:
-    return stored is not None and stored.doc_hash == doc_hash and len(stored.ids) == stored.n_chunks
+    return stored is not None and stored.doc_hash == doc_hash and stored.complete
 
 
 def run_ingest(roots: list[Path], settings: Settings, embedder, *, prune: bool = False, dry_run: bool = False,
@@ -83,14 +97,23 @@ def run_ingest(roots: list[Path], settings: Settings, embedder, *, prune: bool =
     with write_lock(settings.chroma, settings.ingest.lock_timeout_s):
         collection = _open_for(settings, embedder, dry_run)
         stored = stored_documents(collection) if collection is not None else {}
+        by_source: dict[str, list[StoredDocument]] = {}
+        for doc_id, entry in stored.items():
+            by_source.setdefault(entry.source, []).append(entry)
+        ids_by_source = {source: [d for d, e in stored.items() if e.source == source] for source in by_source}
+        identity = pipeline_identity(settings, embedder.name)
         chunker = Chunker(embedder.tokenizer, settings.chunking.size, settings.chunking.overlap, embedder.max_tokens)
         writer = ChunkWriter(collection, embedder, settings.ingest.write_batch, dry_run, report)
         seen_docs: set[str] = set()
         loaded_sources: set[str] = set()
         with progress.files(len(files)) as advance:
             for path, rel in files:
-                result = load(path, rel, settings)
-                _ingest_file(result, stored, chunker, writer, settings, embedder.name, report, seen_docs)
+                result = load(path, rel, settings, identity, by_source)
+                if result.skipped_unchanged:
+                    seen_docs.update(ids_by_source[rel])
+                    report.files_unchanged += 1
+                else:
+                    _ingest_file(result, stored, chunker, writer, identity, report, seen_docs)
                 if result.error is None:
                     loaded_sources.add(rel)
                 advance(rel, report.chunks_written)
@@ -117,7 +140,7 @@ def _failed(report: IngestReport) -> set[str]:
 
 
 def _ingest_file(result: FileResult, stored: dict[str, StoredDocument], chunker: Chunker, writer: ChunkWriter,
-                 settings: Settings, embedder_name: str, report: IngestReport, seen_docs: set[str]) -> None:
+                 identity: str, report: IngestReport, seen_docs: set[str]) -> None:
     if result.error is not None:
         report.failed.append({"path": result.rel, "reason": result.error})
         return
@@ -125,10 +148,12 @@ def _ingest_file(result: FileResult, stored: dict[str, StoredDocument], chunker:
     for document in result.documents:
         report.warnings.extend(f"{result.rel}: {w}" for w in document.warnings)
         seen_docs.add(document.doc_id)
-        doc_hash = document_hash(document, settings, embedder_name)
+        doc_hash = document_hash(document, identity)
         previous = stored.get(document.doc_id)
         if is_unchanged(previous, doc_hash):
             statuses.add("unchanged")
+            if previous.file_hash != result.file_hash:  # its file changed elsewhere: relabel, don't re-embed
+                writer.relabel(previous.ids, result.file_hash)
             continue
         statuses.add("added" if previous is None else "updated")
         chunks = chunker.chunk(document)
@@ -145,5 +170,5 @@ def chunk_metadata(document: SourceDocument, chunk: Chunk, doc_hash: str, n_chun
         "chunk_index": chunk.index, "n_chunks": n_chunks, "start": chunk.start, "end": chunk.end,
         "headings": " > ".join(chunk.headings), "page": chunk.page if chunk.page is not None else -1,
         "parent_id": document.parent_id, "parent_pos": document.parent_pos, "kind": document.kind,
-        "content_hash": chunk.content_hash, "doc_hash": doc_hash,
+        "content_hash": chunk.content_hash, "doc_hash": doc_hash, "file_hash": document.file_hash,
     }

@@ -22,11 +22,12 @@ class IngestReport:
     chunks_written: int = 0
     chunks_embedded: int = 0
     chunks_deleted: int = 0
+    chunks_relabeled: int = 0  # metadata-only updates (file hash) of chunks whose text did not change
     seconds: float = 0.0
 
     @property
     def writes(self) -> int:
-        return self.chunks_written + self.chunks_deleted
+        return self.chunks_written + self.chunks_deleted + self.chunks_relabeled
 
     def to_dict(self) -> dict:
         return asdict(self) | {"files_failed": len(self.failed)}

@@ -77,6 +77,11 @@ class StoredDocument:
     n_chunks: int
     source: str
     ids: list[str]
+    file_hash: str = ""  # hash of the raw source file: equal and complete -> the file need not even be parsed
+
+    @property
+    def complete(self) -> bool:
+        return bool(self.doc_hash) and len(self.ids) == self.n_chunks
 
 
 def stored_documents(collection) -> dict[str, StoredDocument]:
@@ -86,10 +91,12 @@ def stored_documents(collection) -> dict[str, StoredDocument]:
     while True:
         page = collection.get(include=["metadatas"], limit=PAGE, offset=offset)
         for chunk_id, meta in zip(page["ids"], page["metadatas"]):
-            entry = documents.setdefault(meta["doc_id"], StoredDocument(meta["doc_hash"], meta["n_chunks"],
-                                                                        meta["source"], []))
+            entry = documents.setdefault(meta["doc_id"], StoredDocument(
+                meta["doc_hash"], meta["n_chunks"], meta["source"], [], meta.get("file_hash", "")))
             if meta["doc_hash"] != entry.doc_hash:
                 entry.doc_hash = ""  # mixed generations (an interrupted update): never "unchanged"
+            if meta.get("file_hash", "") != entry.file_hash:
+                entry.file_hash = ""
             entry.ids.append(chunk_id)
         if len(page["ids"]) < PAGE:
             return documents

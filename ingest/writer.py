@@ -79,6 +79,15 @@ class ChunkWriter:
         stale = [chunk_id for doc_id in done for chunk_id in self.pending.pop(doc_id).stale_ids]
         self._delete(stale)
 
+    def relabel(self, ids: list[str], file_hash: str) -> None:
+        """Record a new file hash on chunks whose content did not change (a metadata-only write)."""
+        if self.dry_run:
+            return
+        current = self.collection.get(ids=ids, include=["metadatas"])
+        self.collection.update(ids=current["ids"],
+                               metadatas=[meta | {"file_hash": file_hash} for meta in current["metadatas"]])
+        self.report.chunks_relabeled += len(ids)
+
     def delete_documents(self, ids_by_doc: dict[str, list[str]]) -> None:
         self._delete([chunk_id for ids in ids_by_doc.values() for chunk_id in ids])
 

@@ -39,11 +39,14 @@ async def fit_to_budget(render: Render, llm, chunks: list[ContextChunk], budget:
 
 def _drop_lowest_ranked(kept: list[ContextChunk], excess_chars: float,
                         chunk_chars: Callable[[ContextChunk], int]) -> list[ContextChunk]:
-    # Estimate from each chunk's share of the prompt's characters; the next round re-measures exactly.
-    dropped, freed = set(), 0
-    for chunk in sorted(kept, key=lambda c: c.rank, reverse=True):
-        dropped.add(chunk.id)
-        freed += chunk_chars(chunk)
+    """Drop whole rank groups, lowest first (a unit's chunks share its rank, so units go whole).
+
+    Sizes are estimated from each chunk's share of the prompt's characters; the next round re-measures exactly.
+    """
+    dropped_ranks, freed = set(), 0
+    for rank in sorted({c.rank for c in kept}, reverse=True):
+        dropped_ranks.add(rank)
+        freed += sum(chunk_chars(c) for c in kept if c.rank == rank)
         if freed >= excess_chars:
             break
-    return [chunk for chunk in kept if chunk.id not in dropped]
+    return [chunk for chunk in kept if chunk.rank not in dropped_ranks]

@@ -25,6 +25,7 @@ class ContextChunk:
     rank: int = 0  # 0 = most relevant; used only to decide what to drop when over budget
     parent_id: str = ""
     parent_pos: int = 0
+    retrieved: bool = True  # False for chunks a strategy added around the hits (rest of a unit, corpus)
 
     @property
     def canonical_key(self) -> tuple[str, int, str]:

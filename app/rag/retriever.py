@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 from app.errors import UpstreamUnavailable
 from app.rag.context import ContextChunk
 from app.settings import ChromaSettings
-from ingest.store import StoreError, open_collection
+from ingest.store import PAGE, StoreError, open_collection
 
 SOURCES_TTL_S = 60.0  # how long the list of sources (for prefix filters) is reused
 
@@ -49,6 +49,21 @@ class Retriever:
         return [to_chunk(chunk_id, text, meta, 1.0 - distance, rank)
                 for rank, (chunk_id, text, meta, distance) in enumerate(rows)]
 
+    async def chunks_where(self, where: dict | None) -> list[ContextChunk]:
+        """All chunks matching a metadata filter (a parent document, or the whole collection), off the loop."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.executor, self._get_all, where)
+
+    def _get_all(self, where: dict | None) -> list[ContextChunk]:
+        chunks, offset = [], 0
+        while True:
+            page = self.collection.get(where=where, include=["documents", "metadatas"], limit=PAGE, offset=offset)
+            chunks += [to_chunk(i, text, meta, retrieved=False)
+                       for i, text, meta in zip(page["ids"], page["documents"], page["metadatas"])]
+            if len(page["ids"]) < PAGE:
+                return chunks
+            offset += PAGE
+
     def _where(self, source_prefix: str | None) -> dict | None:
         if not source_prefix:
             return None
@@ -63,9 +78,10 @@ class Retriever:
         return sources
 
 
-def to_chunk(chunk_id: str, text: str, meta: dict, score: float = 0.0, rank: int = 0) -> ContextChunk:
+def to_chunk(chunk_id: str, text: str, meta: dict, score: float = 0.0, rank: int = 0,
+             retrieved: bool = True) -> ContextChunk:
     return ContextChunk(
         id=chunk_id, doc_id=meta["doc_id"], chunk_index=int(meta["chunk_index"]), text=text,
         title=meta.get("title", ""), headings=meta.get("headings", ""), score=round(float(score), 4), rank=rank,
-        parent_id=meta.get("parent_id", ""), parent_pos=int(meta.get("parent_pos", 0)),
+        parent_id=meta.get("parent_id", ""), parent_pos=int(meta.get("parent_pos", 0)), retrieved=retrieved,
     )

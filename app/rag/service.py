@@ -12,14 +12,15 @@ from app.errors import BadRequest, UpstreamUnavailable
 from app.llm import Completion, Delta, LLMClient
 from app.metrics import ServiceMetrics
 from app.rag.budget import OverBudget, fit_to_budget
-from app.rag.context import ContextChunk, PromptBuilder, canonical
+from app.rag.context import ContextChunk, PromptBuilder
+from app.rag.planner import ContextPlanner
 from app.rag.conversation import Turn, conversation_messages, new_context_per_turn
 from app.rag.retriever import Retriever
 from app.rag.upstream import Upstream, WarmupStatus
 from app.settings import GenerationSettings
 
 
-STRATEGY = "canonical"
+STRATEGY = "canonical"  # chat turns: each turn's new context in canonical order (see conversation.py)
 RETRIEVAL_CACHE_SIZE = 1024
 
 
@@ -68,6 +69,8 @@ class Answer:
     completion: Completion
     strategy: str
     timings_ms: dict[str, float]
+    messages: list[dict] = field(default_factory=list)  # the exact prompt sent (benchmarks, debugging)
+    context: list[ContextChunk] = field(default_factory=list)  # every chunk in the prompt, in prompt order
 
 
 class RAGService:
@@ -75,6 +78,7 @@ class RAGService:
                  upstream: Upstream, metrics: ServiceMetrics) -> None:
         self.settings, self.retriever, self.llm, self.builder = settings, retriever, llm, builder
         self.upstream, self.metrics = upstream, metrics
+        self.planner = ContextPlanner(settings, retriever, builder, llm, retriever.chroma.collection)
         upstream.warm = self.warm
         self._retrievals: OrderedDict[tuple, list[ContextChunk]] = OrderedDict()
 
@@ -91,10 +95,17 @@ class RAGService:
                              code="top_k_out_of_range")
         return question, top_k, query.max_tokens or self.settings.max_tokens
 
-    async def answer_stream(self, query: Query) -> AsyncIterator[Delta | Answer]:
+    def answer_stream(self, query: Query) -> AsyncIterator[Delta | Answer]:
         """Yield answer deltas as vLLM produces them, then one final ``Answer``."""
+        return self._watching_upstream(self._answer_stream(query))
+
+    def chat_stream(self, chat: ChatQuery) -> AsyncIterator[Delta | Answer]:
+        """Like ``answer_stream`` for a conversation whose prompt extends the previous turn's prompt."""
+        return self._watching_upstream(self._chat_stream(chat))
+
+    async def _watching_upstream(self, events: AsyncIterator[Delta | Answer]) -> AsyncIterator[Delta | Answer]:
         try:
-            async for event in self._answer_stream(query):
+            async for event in events:
                 yield event
         except UpstreamUnavailable as exc:
             if exc.code != "collection_unavailable":  # vLLM went away: readiness drops, the monitor re-probes
@@ -107,22 +118,14 @@ class RAGService:
         clock = Clock(query.received_at)
         ranked = await self.retriever.retrieve(question, top_k, query.source_prefix)
         clock.mark("retrieve")
+        strategy = self.planner.name
         messages, kept, _ = await fit_to_budget(
-            lambda chunks: self.builder.messages(chunks, question), self.llm, canonical(ranked),
+            lambda chunks: self.builder.messages(chunks, question), self.llm, await self.planner.arrange(ranked),
             self._budget(info.max_model_len, max_tokens), self._chunk_chars)
+        self.planner.served(kept)
         clock.mark("assemble")
-        async for event in self._generate(messages, kept, max_tokens, query.temperature, clock):
+        async for event in self._generate(messages, kept, max_tokens, query.temperature, clock, strategy):
             yield event
-
-    async def chat_stream(self, chat: ChatQuery) -> AsyncIterator[Delta | Answer]:
-        """Like ``answer_stream`` for a conversation whose prompt extends the previous turn's prompt."""
-        try:
-            async for event in self._chat_stream(chat):
-                yield event
-        except UpstreamUnavailable as exc:
-            if exc.code != "collection_unavailable":
-                self.upstream.mark_down(exc.message)
-            raise
 
     async def _chat_stream(self, chat: ChatQuery) -> AsyncIterator[Delta | Answer]:
         questions = [turn.content for turn in chat.turns if turn.role == "user"]
@@ -149,8 +152,8 @@ class RAGService:
                 turns, contexts = _drop_oldest_exchange(turns), contexts[1:]
         clock.mark("assemble")
         in_prompt = {c.id for c in kept} | {c.id for ctx in contexts[:-1] for c in ctx}
-        sources = [c for c in retrieved[-1] if c.id in in_prompt]
-        async for event in self._generate(messages, sources, max_tokens, chat.temperature, clock,
+        context = [c for c in retrieved[-1] if c.id in in_prompt]
+        async for event in self._generate(messages, context, max_tokens, chat.temperature, clock, STRATEGY,
                                           top_p=chat.top_p, stop=chat.stop):
             yield event
 
@@ -166,10 +169,11 @@ class RAGService:
             self._retrievals.popitem(last=False)
         return ranked
 
-    async def _generate(self, messages: list[dict], sources: list[ContextChunk], max_tokens: int,
-                        temperature: float | None, clock: "Clock", **options) -> AsyncIterator[Delta | Answer]:
+    async def _generate(self, messages: list[dict], context: list[ContextChunk], max_tokens: int,
+                        temperature: float | None, clock: "Clock", strategy: str,
+                        **options) -> AsyncIterator[Delta | Answer]:
         request = self.llm.chat_request(
-            messages, max_tokens=max_tokens, prefix_key=prefix_key(canonical(sources)),
+            messages, max_tokens=max_tokens, prefix_key=prefix_key(context[:1]),
             temperature=self.settings.temperature if temperature is None else temperature,
             repetition_penalty=self.settings.repetition_penalty, **options)
         completion, first_token = Completion(), None
@@ -178,9 +182,10 @@ class RAGService:
             yield delta
         done = time.perf_counter()
         ttft = (first_token or done) - clock.started
-        self.metrics.observe_answer(STRATEGY, completion.prompt_tokens, completion.cached_tokens, ttft)
-        yield Answer(text=completion.text, sources=sorted(sources, key=lambda c: c.rank), completion=completion,
-                     strategy=STRATEGY, timings_ms=clock.timings(ttft, done))
+        self.metrics.observe_answer(strategy, completion.prompt_tokens, completion.cached_tokens, ttft)
+        sources = sorted((c for c in context if c.retrieved), key=lambda c: c.rank)
+        yield Answer(text=completion.text, sources=sources, completion=completion, strategy=strategy,
+                     timings_ms=clock.timings(ttft, done), messages=messages, context=context)
 
     def _chunk_chars(self, chunk: ContextChunk) -> int:
         return len(self.builder.render_chunk(chunk))
@@ -209,14 +214,10 @@ class RAGService:
         return min(cap, max_model_len) - max_tokens
 
     async def warm(self) -> WarmupStatus:
-        """Put the stable prefix (system prompt + fixed start of the user turn) into vLLM's cache."""
-        messages = self.builder.warmup_messages()
-        request = self.llm.chat_request(messages, max_tokens=1, temperature=0.0, prefix_key=prefix_key([]),
-                                        stream=False)
-        await self.llm.openai.chat.completions.create(**request)
-        tokens = len(await self.llm.tokenize(messages))
-        self.metrics.warmup_tokens.set(tokens)
-        return WarmupStatus(done=True, tokens=tokens)
+        """Pre-warm for the configured strategy (see ``ContextPlanner.warm``); metrics record the prefix."""
+        status = await self.planner.warm(self.upstream.require())
+        self.metrics.warmup_tokens.set(status.tokens)
+        return status
 
 
 async def _final(events: AsyncIterator[Delta | Answer]) -> Answer:
@@ -235,7 +236,8 @@ def _drop_oldest_exchange(turns: list[Turn]) -> list[Turn]:
 
 
 def prefix_key(chunks: list[ContextChunk]) -> str:
-    """Routing key for prefix affinity: requests that share a context set share a key (and a replica)."""
+    """Routing key for prefix affinity (vllm-router): the prompt's first context chunk, i.e. the start of the
+    shared prefix, so requests that can share a cached prefix are sent to the same replica."""
     return hashlib.sha256("\x1f".join(c.id for c in chunks).encode()).hexdigest()[:16]
 
 

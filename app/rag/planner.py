@@ -1,0 +1,115 @@
+"""The configured context strategy at work: resolves ``auto``, arranges each request's context, and pre-warms
+what will be asked (the stable prefix at once; then, in the background, the corpus or the hottest units)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import Counter
+
+from app.rag.context import ContextChunk, PromptBuilder
+from app.rag.strategies import Canonical, Corpus, Document, Reuse
+from app.rag.trie import ServedTrie
+from app.rag.units import Hotness, UnitIndex
+from app.rag.upstream import UpstreamInfo, WarmupStatus
+from app.settings import GenerationSettings
+
+log = logging.getLogger("prefixrag.planner")
+QUESTION_HEADROOM_TOKENS = 256  # room kept for the question when deciding whether the corpus fits
+
+
+class ContextPlanner:
+    def __init__(self, settings: GenerationSettings, retriever, builder: PromptBuilder, llm, collection: str) -> None:
+        self.settings, self.retriever, self.builder, self.llm = settings, retriever, builder, llm
+        hotness_path = settings.hotness_dir / f"{collection}.json" if settings.hotness_dir else None
+        self.hotness = Hotness(hotness_path)
+        self.units = UnitIndex(retriever, settings.max_unit_tokens)
+        self.corpus = Corpus(retriever)
+        self.strategies = {"canonical": Canonical(), "reuse": Reuse(ServedTrie()), "corpus": self.corpus,
+                           "document": Document(self.units, self.hotness, settings.max_units)}
+        self.active = self.strategies["document" if settings.strategy == "auto" else settings.strategy]
+        self._background: asyncio.Task | None = None
+        self.progress: dict = {}
+
+    @property
+    def name(self) -> str:
+        return self.active.name
+
+    async def arrange(self, ranked: list[ContextChunk]) -> list[ContextChunk]:
+        return await self.active.arrange(ranked)
+
+    def served(self, kept: list[ContextChunk]) -> None:
+        self.active.served(kept)
+
+    async def warm(self, info: UpstreamInfo) -> WarmupStatus:
+        """Warm the stable prefix now; corpus or units continue in the background (answers never wait)."""
+        # A unit must leave room for the question, the answer and the rest of the prompt.
+        self.units.max_unit_tokens = min(self.settings.max_unit_tokens,
+                                         (info.max_model_len - self.settings.max_tokens) // 2)
+        tokens = await self._warm_messages(self.builder.warmup_messages())
+        if self.settings.strategy in ("corpus", "auto"):
+            await self._decide_corpus(info)
+        if self._background:
+            self._background.cancel()
+        if self.active is self.corpus and self.corpus.fits:
+            self._background = asyncio.create_task(self._warm_corpus())
+        elif self.active.name == "document":
+            self._background = asyncio.create_task(self._warm_units(info))
+        return WarmupStatus(done=True, tokens=tokens, detail=self.progress)
+
+    async def close(self) -> None:
+        if self._background:
+            self._background.cancel()
+        self.hotness.save()
+
+    async def _decide_corpus(self, info: UpstreamInfo) -> None:
+        chunks = await self.corpus.load()
+        tokens = len(await self.llm.tokenize(self.builder.messages(chunks, "")))
+        room = info.max_model_len - self.settings.max_tokens - QUESTION_HEADROOM_TOKENS
+        self.corpus.fits = tokens <= room
+        if self.settings.strategy == "auto":
+            self.active = self.corpus if self.corpus.fits else self.strategies["document"]
+        verdict = "fits" if self.corpus.fits else "is too large for corpus mode"
+        log.info("corpus of %d chunks is %d tokens; window leaves %d: it %s; strategy=%s", len(chunks), tokens,
+                 room, verdict, self.active.name)
+        self.progress["corpus_tokens"], self.progress["corpus_fits"] = tokens, self.corpus.fits
+
+    async def _warm_corpus(self) -> None:
+        tokens = await self._warm_messages(self.builder.messages(self.corpus.chunks, ""))
+        self.progress.update(units_warmed=1, units_planned=1, unit_tokens=tokens)
+
+    async def _warm_units(self, info: UpstreamInfo) -> None:
+        """Hottest units first (persisted use; before any traffic: biggest parents), within a KV share."""
+        try:
+            metas = await self.retriever.chunks_where(None)
+        except Exception as exc:  # an empty or missing collection: nothing to warm yet
+            log.warning("unit pre-warm skipped: %s", exc)
+            return
+        sizes = Counter(c.parent_id or c.doc_id for c in metas)
+        first = {}
+        for chunk in metas:
+            first.setdefault(chunk.parent_id or chunk.doc_id, chunk)
+        order = sorted(sizes, key=lambda p: (-self.hotness.score(p), -sizes[p], p))
+        budget = int(info.kv_cache_tokens * self.settings.warm_kv_share)
+        self.progress.update(units_planned=len(order), units_warmed=0, unit_tokens=0, kv_budget_tokens=budget)
+        gate = asyncio.Semaphore(self.settings.warm_concurrency)
+
+        async def warm_one(parent: str) -> None:
+            async with gate:
+                if self.progress["unit_tokens"] >= budget:
+                    return
+                _, chunks = await self.units.unit_for(first[parent])
+                self.progress["unit_tokens"] += await self._warm_messages(self.builder.messages(chunks, ""))
+                self.progress["units_warmed"] += 1
+
+        try:
+            await asyncio.gather(*(warm_one(parent) for parent in order))
+            log.info("unit pre-warm done: %(units_warmed)d/%(units_planned)d units, %(unit_tokens)d tokens",
+                     self.progress)
+        except Exception as exc:  # vLLM went away mid-warm: the monitor re-warms when it is back
+            log.warning("unit pre-warm interrupted: %s", exc)
+
+    async def _warm_messages(self, messages: list[dict]) -> int:
+        request = self.llm.chat_request(messages, max_tokens=1, temperature=0.0, prefix_key="warmup", stream=False)
+        await self.llm.complete(request)
+        return len(await self.llm.tokenize(messages))

@@ -1,0 +1,91 @@
+"""Context strategies: how the retrieved chunks become the prompt's context, so that most of every prompt is
+a prefix vLLM already holds. Each is a setting (RAG_GENERATION__STRATEGY) and a benchmark mode.
+
+- canonical: the top-k chunks sorted by stable id. Identical sets share a prefix; in a shuffled stream rare.
+- document: the top hit's stable unit (its whole parent document, or an aligned window of it) first, hot units
+  ahead of cold ones, then the remaining hits canonically. The unit is shared by every question about it.
+- reuse: the top-k set ordered along the longest path already served (bounded trie), the rest canonically.
+- corpus: the whole collection in canonical order as one fixed prefix, when it fits the window.
+- auto: corpus when it fits, else document.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+
+from app.rag.context import ContextChunk, canonical
+from app.rag.trie import ServedTrie
+from app.rag.units import Hotness, UnitIndex, as_unit
+
+log = logging.getLogger("prefixrag.strategies")
+
+
+class Canonical:
+    name = "canonical"
+
+    async def arrange(self, ranked: list[ContextChunk]) -> list[ContextChunk]:
+        return canonical(ranked)
+
+    def served(self, kept: list[ContextChunk]) -> None:
+        pass
+
+
+class Document(Canonical):
+    name = "document"
+
+    def __init__(self, units: UnitIndex, hotness: Hotness, max_units: int = 1) -> None:
+        self.units, self.hotness, self.max_units = units, hotness, max_units
+
+    async def arrange(self, ranked: list[ContextChunk]) -> list[ContextChunk]:
+        hits = {c.id: c for c in ranked}
+        units: dict[str, list[ContextChunk]] = {}
+        for hit in ranked:  # best-ranked first
+            if len(units) == self.max_units:
+                break
+            key, chunks = await self.units.unit_for(hit)
+            if key not in units and not any(hit.id in {c.id for c in u} for u in units.values()):
+                units[key] = as_unit(chunks, hit.rank, hits)
+        # Hot units first: the most shared unit is always at the very front of the prompt.
+        order = sorted(units, key=lambda key: (-self.hotness.score(key), key))
+        self.hotness.use(order)
+        inside = {c.id for unit in units.values() for c in unit}
+        rest = canonical([c for c in ranked if c.id not in inside])
+        return [c for key in order for c in units[key]] + rest
+
+
+class Reuse(Canonical):
+    name = "reuse"
+
+    def __init__(self, trie: ServedTrie) -> None:
+        self.trie = trie
+
+    async def arrange(self, ranked: list[ContextChunk]) -> list[ContextChunk]:
+        by_id = {c.id: c for c in ranked}
+        path = self.trie.order(set(by_id))
+        return [by_id[i] for i in path] + canonical([c for c in ranked if c.id not in set(path)])
+
+    def served(self, kept: list[ContextChunk]) -> None:
+        self.trie.insert([c.id for c in kept])
+
+
+class Corpus(Canonical):
+    """Every request gets the same context: the whole collection. ``fits`` is decided at warm-up."""
+
+    name = "corpus"
+
+    def __init__(self, retriever) -> None:
+        self.retriever = retriever
+        self.chunks: list[ContextChunk] | None = None
+        self.fits = False
+
+    async def load(self) -> list[ContextChunk]:
+        self.chunks = canonical(await self.retriever.chunks_where(None))
+        return self.chunks
+
+    async def arrange(self, ranked: list[ContextChunk]) -> list[ContextChunk]:
+        if not self.fits or self.chunks is None:
+            return canonical(ranked)  # too large for the window: degrade to canonical (startup said so)
+        hits = {c.id: c for c in ranked}
+        # One rank for the whole corpus: it is kept or trimmed as a unit, never re-ordered.
+        return [replace(hits[c.id], rank=0) if c.id in hits else c for c in self.chunks]

@@ -1,0 +1,104 @@
+"""Stable context units: a retrieved chunk's whole parent document (a file, or the jsonl records sharing a
+parent), or, when that is too big, a fixed window of neighbouring chunks aligned to multiples of the window
+size, so the same unit always renders the same bytes. Plus how hot each unit is."""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections import OrderedDict
+from dataclasses import replace
+from pathlib import Path
+
+from app.rag.context import ContextChunk
+
+log = logging.getLogger("prefixrag.units")
+CHARS_PER_TOKEN = 3.0  # conservative estimate for sizing units before the exact /tokenize count
+
+
+def natural_order(chunks: list[ContextChunk]) -> list[ContextChunk]:
+    return sorted(chunks, key=lambda c: (c.parent_pos, c.doc_id, c.chunk_index))
+
+
+def estimate_tokens(chunks: list[ContextChunk]) -> int:
+    return int(sum(len(c.text) for c in chunks) / CHARS_PER_TOKEN)
+
+
+class UnitIndex:
+    """Fetches parent documents from Chroma (LRU-cached) and cuts them into units that fit."""
+
+    def __init__(self, retriever, max_unit_tokens: int, cache_size: int = 256) -> None:
+        self.retriever, self.max_unit_tokens = retriever, max_unit_tokens
+        self._parents: OrderedDict[str, list[ContextChunk]] = OrderedDict()
+        self._cache_size = cache_size
+
+    async def parent(self, parent_id: str) -> list[ContextChunk]:
+        if parent_id in self._parents:
+            self._parents.move_to_end(parent_id)
+            return self._parents[parent_id]
+        chunks = natural_order(await self.retriever.chunks_where({"parent_id": parent_id}))
+        self._parents[parent_id] = chunks
+        if len(self._parents) > self._cache_size:
+            self._parents.popitem(last=False)
+        return chunks
+
+    async def unit_for(self, hit: ContextChunk) -> tuple[str, list[ContextChunk]]:
+        """(unit key, its chunks in natural order) for a retrieved chunk."""
+        chunks = await self.parent(hit.parent_id or hit.doc_id)
+        if not chunks:
+            return hit.id, [hit]
+        if estimate_tokens(chunks) <= self.max_unit_tokens:
+            return hit.parent_id, chunks
+        per_chunk = max(1, estimate_tokens(chunks) // len(chunks))
+        size = max(1, self.max_unit_tokens // per_chunk)
+        position = next((i for i, c in enumerate(chunks) if c.id == hit.id), 0)
+        start = position // size * size  # aligned: every hit in this window maps to the same bytes
+        return f"{hit.parent_id}@{start}:{size}", chunks[start:start + size]
+
+
+def as_unit(chunks: list[ContextChunk], rank: int, hits: dict[str, ContextChunk]) -> list[ContextChunk]:
+    """The unit's chunks, all carrying the unit's rank; retrieved hits keep their score and flag."""
+    return [replace(hits[c.id], rank=rank) if c.id in hits else replace(c, rank=rank, retrieved=False)
+            for c in chunks]
+
+
+class Hotness:
+    """Exponentially decayed use counts per unit, persisted across restarts (JSON file)."""
+
+    def __init__(self, path: Path | None, half_life: int = 500, save_every: int = 50) -> None:
+        self.path, self.half_life, self.save_every = path, half_life, save_every
+        self.scores: dict[str, float] = {}
+        self._uses = 0
+        self._lock = threading.Lock()
+        if path and path.exists():
+            try:
+                self.scores = {k: float(v) for k, v in json.loads(path.read_text()).items()}
+            except (OSError, ValueError) as exc:
+                log.warning("ignoring unreadable hotness file %s: %s", path, exc)
+
+    def use(self, keys: list[str]) -> None:
+        # Lazy decay: instead of shrinking every score per use, each use weighs 2^(1/half_life) more than the
+        # last (O(keys) per request); scores are rescaled once weights grow large.
+        with self._lock:
+            self._uses += 1
+            weight = 2.0 ** (self._uses / self.half_life)
+            for key in keys:
+                self.scores[key] = self.scores.get(key, 0.0) + weight
+            if weight > 1e100:
+                self.scores = {k: v / weight for k, v in self.scores.items()}
+                self._uses = 0
+            if self.path and self._uses % self.save_every == 0:
+                self.save()
+
+    def score(self, key: str) -> float:
+        return self.scores.get(key, 0.0)
+
+    def save(self) -> None:
+        if not self.path:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        top = dict(sorted(self.scores.items(), key=lambda kv: -kv[1])[:10_000])
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(top))
+        tmp.replace(self.path)  # atomic: a crash never leaves half a file

@@ -1,0 +1,141 @@
+"""One benchmark run: the shared clients, the per-mode replay, and the vLLM counter deltas."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from app.llm import LLMClient, metric_total
+from app.metrics import ServiceMetrics
+from app.rag.context import PromptBuilder
+from app.rag.prompts import PromptTemplates
+from app.rag.retriever import Retriever
+from app.rag.service import RAGService
+from app.rag.upstream import Upstream
+from app.settings import Settings
+from bench.ceiling import BlockCacheCeiling
+from bench.modes import Record, run_naive, run_prefixrag
+from bench.stats import summarise
+
+MATCH_K_MAX = 100
+
+
+class Harness:
+    @classmethod
+    async def create(cls, dataset, vllm_url: str, chroma: Path, args) -> "Harness":
+        from ingest.embedder import Embedder
+        from ingest.pipeline import run_ingest
+
+        self = cls()
+        self.args = args
+        self.settings = Settings(_env_file=None)
+        self.settings.chroma.path, self.settings.chroma.collection = chroma, f"bench-{dataset.name}"[:60]
+        self.settings.vllm.url = vllm_url
+        self.embedder = Embedder(self.settings.embedding)
+        started = time.perf_counter()
+        report = run_ingest([dataset.passages], self.settings, self.embedder)
+        print(f"ingest: {report.chunks_written} chunks written in {time.perf_counter() - started:.1f}s", flush=True)
+        self.executor = ThreadPoolExecutor(max_workers=2)
+        self.retriever = Retriever(self.embedder, self.settings.chroma, self.executor)
+        self.llm = LLMClient(self.settings.vllm)
+        self.upstream = Upstream(self.llm, self.settings.vllm)
+        self.upstream.warm = None
+        await self.upstream.refresh()
+        self.templates = PromptTemplates.load(self.settings.service.prompts_dir)
+        return self
+
+    async def close(self) -> None:
+        await self.llm.aclose()
+        self.executor.shutdown()
+
+    def service(self, strategy: str) -> RAGService:
+        generation = self.settings.generation.model_copy(update={
+            "strategy": strategy, "top_k": self.args.top_k, "max_tokens": self.args.max_tokens, "hotness_dir": None})
+        return RAGService(generation, self.retriever, self.llm, PromptBuilder(self.templates), self.upstream,
+                          ServiceMetrics())
+
+    async def run_mode(self, mode: str, stream, earlier: list[dict]) -> dict:
+        await self.llm.reset_prefix_cache()  # no mode profits from another's cache
+        k, warmup_s, service = self.args.top_k, 0.0, None
+        if mode == "naive-matched":
+            k = await self._matched_k(stream, earlier)
+        elif mode != "naive":
+            strategy = self.settings.generation.strategy if mode == "prefixrag" else mode
+            service = self.service(strategy)
+            started = time.perf_counter()
+            await service.warm()
+            if service.planner._background:  # the benchmark measures warm traffic: wait for the pre-warm
+                await service.planner._background
+            warmup_s = time.perf_counter() - started
+
+        async def one(question) -> Record:
+            if service is None:
+                return await run_naive(question, k, self.retriever, self.llm, self.args.max_tokens)
+            return await run_prefixrag(question, k, service, self.args.max_tokens)
+
+        before = await self._counters()
+        started = time.perf_counter()
+        records = await self._replay(stream, one)
+        wall_s = time.perf_counter() - started
+        after = await self._counters()
+        ceiling = await self._ceiling(records, mode)
+        result = {"mode": mode, "k": k, "warmup_s": round(warmup_s, 3)}
+        result |= summarise(records, stream, after[0] - before[0], after[1] - before[1], wall_s, ceiling)
+        result["strategy"] = service.planner.name if service is not None else "naive"
+        if service is not None:
+            result["warmup"] = dict(service.planner.progress)
+            await service.planner.close()
+        return result
+
+    async def _replay(self, stream, one) -> list[Record]:
+        records: list[Record | None] = [None] * len(stream)
+        queue: asyncio.Queue = asyncio.Queue()
+        for item in enumerate(stream):
+            queue.put_nowait(item)
+
+        async def worker():
+            while not queue.empty():
+                index, question = queue.get_nowait()
+                try:
+                    records[index] = await one(question)
+                except Exception as exc:  # counted and reported, never silently dropped
+                    records[index] = Record(question.id, error=f"{type(exc).__name__}: {exc}")
+
+        await asyncio.gather(*(worker() for _ in range(self.args.concurrency)))
+        return records
+
+    async def _counters(self) -> tuple[float, float]:
+        text = await self.llm.metrics_text()
+        return (metric_total(text, "vllm:prefix_cache_hits_total"),
+                metric_total(text, "vllm:prefix_cache_queries_total"))
+
+    async def _ceiling(self, records: list[Record], mode: str) -> BlockCacheCeiling:
+        ceiling = BlockCacheCeiling(self.upstream.require().block_size)
+        dump = None
+        if self.args.dump_prompts:
+            self.args.dump_prompts.mkdir(parents=True, exist_ok=True)
+            dump = open(self.args.dump_prompts / f"{mode}.jsonl", "w")
+        for record in records:
+            if record.error is None:
+                ids = await self.llm.tokenize(record.messages)
+                ceiling.add(ids)
+                if dump:
+                    dump.write(json.dumps({"question_id": record.question_id, "prompt_token_ids": ids,
+                                           "max_tokens": self.args.max_tokens}) + "\n")
+        if dump:
+            dump.close()
+        return ceiling
+
+    async def _matched_k(self, stream, earlier: list[dict]) -> int:
+        """Smallest k at which naive's recall reaches the best prefixrag recall on these questions."""
+        target = max((r["recall"] or 0 for r in earlier if r["mode"] not in ("naive", "naive-matched")), default=0)
+        answerable = [q for q in stream if q.gold]
+        ranked = [await self.retriever.retrieve(q.text, MATCH_K_MAX) for q in answerable]
+        for k in range(self.args.top_k, MATCH_K_MAX + 1):
+            hits = sum(bool({c.doc_id for c in r[:k]} & q.gold) for r, q in zip(ranked, answerable))
+            if answerable and hits / len(answerable) >= target:
+                return k
+        return MATCH_K_MAX

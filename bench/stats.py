@@ -1,0 +1,77 @@
+"""Aggregate per-request records into the figures the benchmark reports; the table and the plot."""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    index = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
+    return ordered[index]
+
+
+def ms_summary(values: list[float], quantiles=(50, 95, 99)) -> dict[str, float]:
+    return {f"p{q}": round(percentile(values, q) * 1000, 1) for q in quantiles}
+
+
+def summarise(records, questions, hits: float, queries: float, wall_s: float, ceiling) -> dict:
+    ok = [r for r in records if r.error is None]
+    answerable = [(r, q) for r, q in zip(records, questions) if q.gold and r.error is None]
+    recall = sum(bool(r.doc_ids & q.gold) for r, q in answerable) / len(answerable) if answerable else None
+    mean = lambda xs: round(statistics.fmean(xs), 1) if xs else 0.0  # noqa: E731
+    return {
+        "questions": len(records), "errors": len(records) - len(ok),
+        "hit_rate": round(hits / queries, 4) if queries else 0.0, "hits": hits, "queries": queries,
+        "ceiling": round(ceiling.hit_rate, 4), "ceiling_hit_tokens": ceiling.hit_tokens,
+        "ceiling_query_tokens": ceiling.query_tokens,
+        "mean_prompt_tokens": mean([r.prompt_tokens for r in ok]),
+        "mean_cached_tokens": mean([r.cached_tokens for r in ok]),
+        "mean_uncached_prompt_tokens": mean([r.prompt_tokens - r.cached_tokens for r in ok]),
+        "ttft_ms": ms_summary([r.ttft_s for r in ok]), "e2e_ms": ms_summary([r.e2e_s for r in ok], (50,)),
+        "overhead_ms": ms_summary([r.overhead_s for r in ok], (50, 95)),
+        "throughput_qps": round(len(ok) / wall_s, 3) if wall_s else 0.0,
+        "recall": round(recall, 4) if recall is not None else None, "recall_questions": len(answerable),
+    }
+
+
+def table(results: list[dict]) -> str:
+    header = f"{'mode':<16}{'k':>4}{'hit':>7}{'ceil':>7}{'prompt':>8}{'uncached':>9}{'ttft p50':>9}{'p95':>8}{'recall':>8}"
+    rows = [header, "-" * len(header)]
+    for r in results:
+        recall = f"{r['recall']:.3f}" if r["recall"] is not None else "-"
+        rows.append(f"{r['mode']:<16}{r['k']:>4}{r['hit_rate']:>7.3f}{r['ceiling']:>7.3f}{r['mean_prompt_tokens']:>8.0f}"
+                    f"{r['mean_uncached_prompt_tokens']:>9.0f}{r['ttft_ms']['p50']:>9.0f}{r['ttft_ms']['p95']:>8.0f}"
+                    f"{recall:>8}")
+    return "\n".join(rows)
+
+
+def plot(results: list[dict], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    modes = [r["mode"] for r in results]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    left.bar(modes, [r["hit_rate"] for r in results], color="#2e5bff", label="observed (vLLM counters)")
+    left.scatter(modes, [r["ceiling"] for r in results], color="black", marker="_", s=600, label="ceiling")
+    left.set_ylim(0, 1)
+    left.set_ylabel("prefix cache hit rate (tokens)")
+    left.legend(loc="upper left", fontsize=8)
+    x = range(len(modes))
+    right.bar([i - 0.2 for i in x], [r["ttft_ms"]["p50"] for r in results], width=0.4, label="TTFT p50")
+    right.bar([i + 0.2 for i in x], [r["ttft_ms"]["p95"] for r in results], width=0.4, label="TTFT p95")
+    right.set_xticks(list(x), modes)
+    right.set_yscale("log")
+    right.set_ylabel("ms")
+    right.legend(fontsize=8)
+    for axis in (left, right):
+        axis.tick_params(axis="x", rotation=30)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

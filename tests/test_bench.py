@@ -1,0 +1,75 @@
+"""The benchmark harness end to end on a tiny slice (real vLLM test server, real Chroma, real embedder)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench.ceiling import BlockCacheCeiling
+
+pytestmark = pytest.mark.vllm
+ARTICLES = {
+    "Harbour": ["The harbour was dredged in 1850 to admit larger ships.",
+                "A lighthouse at the harbour mouth was lit in 1862.",
+                "Fishing fleets moved to the new quay in 1901."],
+    "Glacier": ["The glacier retreated two kilometres over the last century.",
+                "Meltwater from the glacier feeds the river through the valley.",
+                "Moraines mark where the glacier's snout once stood."],
+}
+
+
+def tiny_squad(root):
+    passages, questions = [], []
+    for title, texts in ARTICLES.items():
+        for index, text in enumerate(texts):
+            pid = f"{title}#{index}"
+            passages.append({"passage_id": pid, "title": title, "text": text})
+            questions.append({"id": f"q-{pid}", "question": f"What happened: {text[:30]}?", "passage_id": pid})
+    questions += [dict(q, id=q["id"] + "-again", question=q["question"].replace("What happened", "Tell me"))
+                  for q in questions[:4]]
+    root.mkdir()
+    (root / "passages.jsonl").write_text("\n".join(map(json.dumps, passages)) + "\n")
+    (root / "questions.jsonl").write_text("\n".join(map(json.dumps, questions)) + "\n")
+    return root
+
+
+def test_ceiling_counts_only_leading_blocks_seen_before():
+    ceiling = BlockCacheCeiling(4)
+    assert ceiling.add(list(range(10))) == 0  # first sight: nothing cached
+    assert ceiling.add(list(range(10))) == 8  # two full blocks; the last partial block is always computed
+    assert ceiling.add([99] + list(range(1, 10))) == 0  # a different first token breaks the whole chain
+    assert ceiling.add(list(range(8))) == 4  # at least one token is computed: (8 - 1) // 4 blocks
+    assert ceiling.hit_tokens == 12 and ceiling.query_tokens == 38
+
+
+def test_harness_end_to_end_on_a_tiny_slice(tmp_path, vllm_url):
+    from bench.prefix_cache import main
+
+    data = tiny_squad(tmp_path / "tiny")
+    out = tmp_path / "result.json"
+    assert main(["--data", str(data), "--questions", "10", "--top-k", "2", "--vllm-url", vllm_url,
+                 "--max-tokens", "4", "--modes", "naive,prefixrag,naive-matched", "--out", str(out),
+                 "--dump-prompts", str(tmp_path / "prompts")]) == 0
+    result = json.loads(out.read_text())
+    assert out.with_suffix(".png").stat().st_size > 1000
+    modes = {r["mode"]: r for r in result["results"]}
+    assert set(modes) == {"naive", "prefixrag", "naive-matched"} and len(result["question_ids"]) == 10
+    for r in modes.values():
+        assert r["questions"] == 10 and r["errors"] == 0
+        assert 0 <= r["hits"] <= r["queries"] and r["queries"] > 0
+        assert r["ceiling"] >= r["hit_rate"] - 0.05, r  # vLLM can't beat an infinite cache
+        assert r["mean_uncached_prompt_tokens"] <= r["mean_prompt_tokens"]
+        assert r["ttft_ms"]["p50"] <= r["ttft_ms"]["p95"] <= r["ttft_ms"]["p99"]
+        assert 0 <= r["recall"] <= 1
+    assert modes["naive-matched"]["recall"] >= modes["prefixrag"]["recall"] or modes["naive-matched"]["k"] == 100
+    # prefixrag's fixed system prompt alone is over one 128-token block: it must hit where naive cannot.
+    assert modes["prefixrag"]["hit_rate"] > modes["naive"]["hit_rate"]
+    dumped = (tmp_path / "prompts" / "prefixrag.jsonl").read_text().splitlines()
+    assert len(dumped) == 10 and json.loads(dumped[0])["prompt_token_ids"]
+
+    from bench.replay import main as replay
+
+    assert replay(["--prompts", str(tmp_path / "prompts"), "--vllm-url", vllm_url]) == 0
+    replayed = json.loads((tmp_path / "prompts" / "replay.json").read_text())["results"]
+    assert replayed["prefixrag"]["errors"] == 0 and replayed["prefixrag"]["ceiling"] == modes["prefixrag"]["ceiling"]

@@ -1,0 +1,151 @@
+"""Context strategies: pure functions of their inputs, budget-safe, bounded; corpus/document hit the cache."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import json
+
+import httpx
+import pytest
+
+from app.main import create_app
+from app.rag.trie import ServedTrie
+from app.rag.units import Hotness
+from ingest.pipeline import run_ingest
+from tests.servers import AppServer, reset_prefix_cache
+from tests.test_service import app_settings, floor_block
+
+# Two "articles" of several paragraphs each: records sharing a title are one parent document.
+ARTICLES = {
+    "Harbour": [f"Harbour fact {i}: the quay was extended in {1850 + i} to hold {10 + i} fishing boats." for i in range(8)],
+    "Glacier": [f"Glacier fact {i}: the ice retreated {20 + i} metres in {1990 + i} near the valley." for i in range(8)],
+}
+
+
+@pytest.fixture(scope="module")
+def articles_db(tmp_path_factory, embedder):
+    from app.settings import Settings
+
+    base = tmp_path_factory.mktemp("strategies")
+    records = [{"id": f"{t}#{i}", "title": t, "text": text} for t, texts in ARTICLES.items()
+               for i, text in enumerate(texts)]
+    (base / "articles.jsonl").write_text("\n".join(map(json.dumps, records)) + "\n")
+    settings = Settings(_env_file=None)
+    settings.chroma.path, settings.chroma.collection = base / "chroma", "articles"
+    run_ingest([base / "articles.jsonl"], settings, embedder)
+    return base / "chroma"
+
+
+def test_trie_orders_along_the_longest_served_path_and_stays_bounded():
+    trie = ServedTrie(max_nodes=50)
+    trie.insert(["a", "b", "c"])
+    trie.insert(["a", "d"])
+    assert trie.order({"c", "b", "a", "z"}) == ["a", "b", "c"]
+    assert trie.order({"d", "a"}) == ["a", "d"]
+    assert trie.order({"q"}) == []
+    for n in range(200):
+        trie.insert([f"x{n}", f"y{n}", f"z{n}"])
+    assert trie.nodes <= 50
+    assert trie.order({"x199", "y199", "z199"}) == ["x199", "y199", "z199"]  # recent paths survive pruning
+
+
+def test_hotness_decays_old_use_and_persists(tmp_path):
+    path = tmp_path / "hot.json"
+    hot = Hotness(path, half_life=10, save_every=1)
+    for _ in range(5):
+        hot.use(["old"])
+    for _ in range(60):
+        hot.use(["new"])
+    hot.use(["recent-once"])
+    assert hot.score("new") > hot.score("recent-once") > hot.score("old")
+    reloaded = Hotness(path)
+    assert reloaded.score("new") == pytest.approx(hot.score("new"))
+
+
+def strategy_app(articles_db, vllm_url, embedder, strategy, **generation):
+    settings = app_settings(articles_db, vllm_url, collection="articles", strategy=strategy, hotness_dir=None,
+                            **generation)
+    return AppServer(create_app(settings, embedder=embedder))
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("strategy", ["canonical", "document", "reuse", "corpus"])
+def test_same_selection_gives_the_same_prompt_and_the_budget_holds(articles_db, vllm_url, embedder, strategy):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from app.llm import LLMClient
+    from app.rag.context import PromptBuilder
+    from app.rag.planner import ContextPlanner
+    from app.rag.prompts import PromptTemplates
+    from app.rag.retriever import Retriever
+    from app.rag.upstream import Upstream
+    from tests.conftest import ROOT
+
+    settings = app_settings(articles_db, vllm_url, collection="articles", strategy=strategy, hotness_dir=None)
+
+    async def prompts():
+        llm = LLMClient(settings.vllm)
+        upstream = Upstream(llm, settings.vllm)
+        await upstream.refresh()
+        retriever = Retriever(embedder, settings.chroma, ThreadPoolExecutor(1))
+        builder = PromptBuilder(PromptTemplates.load(ROOT / "prompts"))
+        planner = ContextPlanner(settings.generation, retriever, builder, llm, "articles")
+        await planner.warm(upstream.info)
+        ranked = await retriever.retrieve("When was the quay extended?", 3)
+        streams = [await llm.tokenize(builder.messages(await planner.arrange(ranked), "q")) for _ in range(2)]
+        await planner.close()
+        await llm.aclose()
+        return streams
+
+    first, second = asyncio.run(prompts())
+    assert first == second and len(first) > 100
+    with strategy_app(articles_db, vllm_url, embedder, strategy, top_k=3) as server:
+        window = server.wait_ready()["vllm"]["max_model_len"]
+        max_tokens = window - 300  # leaves room for the system prompt and little else
+        big = httpx.post(server.url + "/ask", json={"question": "When did the ice retreat?", "top_k": 3,
+                                                    "max_tokens": max_tokens}, timeout=120)
+    assert big.status_code == 200, big.text
+    assert big.json()["usage"]["prompt_tokens"] + max_tokens <= window
+
+
+@pytest.mark.vllm
+def test_document_strategy_serves_the_whole_unit_from_cache(articles_db, vllm_url, embedder):
+    reset_prefix_cache(vllm_url)
+    with strategy_app(articles_db, vllm_url, embedder, "document", top_k=2) as server:
+        server.wait_ready()
+        deadline = time.monotonic() + 60
+        while (status := httpx.get(server.url + "/readyz").json())["warmup"]["detail"].get("units_warmed", 0) < 2:
+            assert time.monotonic() < deadline, status
+            time.sleep(0.2)
+        answers = [httpx.post(server.url + "/ask", json={"question": q, "max_tokens": 4}, timeout=60).json()
+                   for q in ("When was the quay extended to hold 12 boats?", "How many boats in 1855?")]
+    for answer in answers:
+        assert answer["strategy"] == "document"
+        # The whole article (pre-warmed) is the prefix: all but the tail of the prompt is cached.
+        assert answer["usage"]["cached_tokens"] >= floor_block(answer["usage"]["prompt_tokens"] - 60, 128) > 128
+
+
+@pytest.mark.vllm
+def test_corpus_mode_hits_the_whole_corpus_on_every_request(articles_db, vllm_url, embedder):
+    reset_prefix_cache(vllm_url)
+    with strategy_app(articles_db, vllm_url, embedder, "corpus") as server:
+        status = server.wait_ready()
+        corpus_tokens = status["warmup"]["detail"]["corpus_tokens"]
+        assert status["warmup"]["detail"]["corpus_fits"] and corpus_tokens > 256
+        deadline = time.monotonic() + 60
+        while httpx.get(server.url + "/readyz").json()["warmup"]["detail"].get("units_warmed") != 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        for question in ("When was the quay extended?", "How far did the ice retreat?", "Which valley?"):
+            answer = httpx.post(server.url + "/ask", json={"question": question, "max_tokens": 4}, timeout=60).json()
+            assert answer["strategy"] == "corpus"
+            assert answer["usage"]["cached_tokens"] >= floor_block(corpus_tokens, 128)
+
+
+@pytest.mark.vllm
+def test_auto_picks_corpus_when_it_fits(articles_db, vllm_url, embedder):
+    with strategy_app(articles_db, vllm_url, embedder, "auto") as server:
+        server.wait_ready()
+        answer = httpx.post(server.url + "/ask", json={"question": "Which valley?", "max_tokens": 4}, timeout=60)
+    assert answer.json()["strategy"] == "corpus"
