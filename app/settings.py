@@ -51,6 +51,7 @@ class IngestSettings(BaseModel):
     lock_timeout_s: float = Field(30.0, ge=0, description="How long a second ingest waits for the lock before failing.")
     write_batch: int = Field(256, ge=1, description="Chunks embedded and upserted per write batch.")
     max_file_mb: float = Field(50.0, gt=0, description="Files larger than this are skipped and reported.")
+    prefetch_files: int = Field(4, ge=1, description="Files loaded and chunked ahead while the encoder runs.")
 
 
 class VLLMSettings(BaseModel):
@@ -97,7 +98,7 @@ class GenerationSettings(BaseModel):
     strategy: Literal["canonical", "document", "reuse", "corpus", "auto"] = Field(
         "canonical", description="How retrieved context becomes the prompt (see README: strategies).")
     max_units: int = Field(1, ge=1, description="document strategy: whole units per prompt (more units, more misses).")
-    max_unit_tokens: int = Field(8192, ge=128, description="document strategy: a bigger parent is cut into aligned windows.")
+    max_unit_tokens: int = Field(12288, ge=128, description="document strategy: a bigger parent is cut into aligned windows.")
     warm_kv_share: float = Field(0.5, gt=0, le=1, description="Share of vLLM's KV cache that unit pre-warm may fill.")
     warm_concurrency: int = Field(2, ge=1, description="Pre-warm requests in flight (background, bounded).")
     hotness_dir: Path | None = Field(Path("./data/hotness"), description="Where unit hotness is persisted (None: off).")

@@ -67,8 +67,11 @@ class Harness:
             service = self.service(strategy)
             started = time.perf_counter()
             await service.warm()
-            if service.planner._background:  # the benchmark measures warm traffic: wait for the pre-warm
-                await service.planner._background
+            if mode == "corpus" and not service.planner.corpus.fits:
+                await service.planner.close()
+                return {"mode": mode, "skipped": "the corpus does not fit the context window",
+                        "corpus_tokens": service.planner.progress.get("corpus_tokens")}
+            await service.planner.warmed()  # the benchmark measures warm traffic
             warmup_s = time.perf_counter() - started
 
         async def one(question) -> Record:

@@ -47,12 +47,12 @@ def main(argv: list[str] | None = None) -> int:
     stream = sample(dataset.questions, args.questions, args.seed)
     with tempfile.TemporaryDirectory(prefix="bench-") as tmp, _vllm(args, Path(tmp)) as vllm_url:
         chroma = args.chroma_path or Path(tmp) / "chroma"
-        results = asyncio.run(_run(args, dataset, stream, vllm_url, chroma))
+        results, skipped = asyncio.run(_run(args, dataset, stream, vllm_url, chroma))
     from bench.stats import plot, table
 
     payload = {"config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
                "dataset": dataset.name, "question_ids": [q.id for q in stream], "environment": environment(),
-               "results": results}
+               "results": results, "skipped": skipped}
     write_json(args.out, payload)
     plot(results, args.out.with_suffix(".png"), f"{dataset.name}: {len(stream)} questions, "
                                                 f"concurrency {args.concurrency}, top-k {args.top_k}")
@@ -65,14 +65,18 @@ async def _run(args, dataset, stream, vllm_url: str, chroma: Path) -> list[dict]
 
     harness = await Harness.create(dataset, vllm_url, chroma, args)
     try:
-        results = []
+        results, skipped = [], []
         modes = [m.strip() for m in args.modes.split(",") if m.strip()]
         # naive-matched needs the best recall of the prefixrag modes: run it last.
         for mode in sorted(modes, key=lambda m: m == "naive-matched"):
             result = await harness.run_mode(mode, stream, results)
+            if "skipped" in result:
+                print(json.dumps(result), flush=True)
+                skipped.append(result)
+                continue
             print(json.dumps({k: result[k] for k in ("mode", "k", "hit_rate", "ceiling", "recall")}), flush=True)
             results.append(result)
-        return results
+        return results, skipped
     finally:
         await harness.close()
 

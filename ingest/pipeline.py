@@ -8,8 +8,11 @@ leaves extra or missing chunks that the next run detects and converges from, re-
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,6 +33,7 @@ class FileResult:
     error: str | None = None
     file_hash: str = ""
     skipped_unchanged: bool = False  # the raw bytes match what is stored: not parsed at all
+    plans: list[tuple[SourceDocument, str, list[Chunk] | None]] = field(default_factory=list)  # doc, hash, chunks
 
 
 def discover(roots: list[Path]) -> tuple[list[tuple[Path, str]], int]:
@@ -98,25 +102,32 @@ def run_ingest(roots: list[Path], settings: Settings, embedder, *, prune: bool =
         collection = _open_for(settings, embedder, dry_run)
         stored = stored_documents(collection) if collection is not None else {}
         by_source: dict[str, list[StoredDocument]] = {}
+        ids_by_source: dict[str, list[str]] = {}
         for doc_id, entry in stored.items():
             by_source.setdefault(entry.source, []).append(entry)
-        ids_by_source = {source: [d for d, e in stored.items() if e.source == source] for source in by_source}
+            ids_by_source.setdefault(entry.source, []).append(doc_id)
         identity = pipeline_identity(settings, embedder.name)
-        chunker = Chunker(embedder.tokenizer, settings.chunking.size, settings.chunking.overlap, embedder.max_tokens)
+        # Its own tokenizer copy: chunking runs on a worker thread while the encoder tokenizes on this one.
+        chunker = Chunker(copy.deepcopy(embedder.tokenizer), settings.chunking.size, settings.chunking.overlap,
+                          embedder.max_tokens)
+
+        def prepare(path: Path, rel: str) -> FileResult:
+            return plan(load(path, rel, settings, identity, by_source), stored, chunker, identity)
+
         writer = ChunkWriter(collection, embedder, settings.ingest.write_batch, dry_run, report)
         seen_docs: set[str] = set()
         loaded_sources: set[str] = set()
         with progress.files(len(files)) as advance:
-            for path, rel in files:
-                result = load(path, rel, settings, identity, by_source)
+            # Files are loaded and chunked a few ahead on a worker thread while this one embeds and writes.
+            for result in prefetched(files, prepare, depth=settings.ingest.prefetch_files):
                 if result.skipped_unchanged:
-                    seen_docs.update(ids_by_source[rel])
+                    seen_docs.update(ids_by_source[result.rel])
                     report.files_unchanged += 1
                 else:
-                    _ingest_file(result, stored, chunker, writer, identity, report, seen_docs)
+                    _ingest_file(result, stored, writer, report, seen_docs)
                 if result.error is None:
-                    loaded_sources.add(rel)
-                advance(rel, report.chunks_written)
+                    loaded_sources.add(result.rel)
+                advance(result.rel, report.chunks_written)
         writer.flush()
         stale = [doc for doc, entry in stored.items() if doc not in seen_docs
                  and (entry.source in loaded_sources or (prune and entry.source not in _failed(report)))]
@@ -139,24 +150,43 @@ def _failed(report: IngestReport) -> set[str]:
     return {failure["path"] for failure in report.failed}
 
 
-def _ingest_file(result: FileResult, stored: dict[str, StoredDocument], chunker: Chunker, writer: ChunkWriter,
-                 identity: str, report: IngestReport, seen_docs: set[str]) -> None:
+def plan(result: FileResult, stored: dict[str, StoredDocument], chunker: Chunker, identity: str) -> FileResult:
+    """Hash each loaded document and chunk the changed ones (worker thread: reads ``stored``, writes nothing)."""
+    for document in result.documents:
+        doc_hash = document_hash(document, identity)
+        unchanged = is_unchanged(stored.get(document.doc_id), doc_hash)
+        result.plans.append((document, doc_hash, None if unchanged else chunker.chunk(document)))
+    return result
+
+
+def prefetched(items: list, prepare, depth: int):
+    """``prepare(*item)`` for each item, in order, at most ``depth`` ahead on one worker thread."""
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="ingest-load") as pool:
+        pending = deque(pool.submit(prepare, *item) for item in items[:depth])
+        for item in items[depth:]:
+            result = pending.popleft().result()
+            pending.append(pool.submit(prepare, *item))
+            yield result
+        while pending:
+            yield pending.popleft().result()
+
+
+def _ingest_file(result: FileResult, stored: dict[str, StoredDocument], writer: ChunkWriter,
+                 report: IngestReport, seen_docs: set[str]) -> None:
     if result.error is not None:
         report.failed.append({"path": result.rel, "reason": result.error})
         return
     statuses = set()
-    for document in result.documents:
+    for document, doc_hash, chunks in result.plans:
         report.warnings.extend(f"{result.rel}: {w}" for w in document.warnings)
         seen_docs.add(document.doc_id)
-        doc_hash = document_hash(document, identity)
         previous = stored.get(document.doc_id)
-        if is_unchanged(previous, doc_hash):
+        if chunks is None:
             statuses.add("unchanged")
             if previous.file_hash != result.file_hash:  # its file changed elsewhere: relabel, don't re-embed
                 writer.relabel(previous.ids, result.file_hash)
             continue
         statuses.add("added" if previous is None else "updated")
-        chunks = chunker.chunk(document)
         writer.add_document(document, chunks, doc_hash, previous.ids if previous else [])
     # A file is "added" only if all its documents are new; any change to a known one makes it "updated".
     status = "unchanged" if statuses == {"unchanged"} else "added" if statuses == {"added"} else "updated"

@@ -57,6 +57,11 @@ class ContextPlanner:
             self._background = asyncio.create_task(self._warm_units(info))
         return WarmupStatus(done=True, tokens=tokens, detail=self.progress)
 
+    async def warmed(self) -> None:
+        """Wait until the background pre-warm is done (benchmarks measure warm traffic)."""
+        if self._background:
+            await self._background
+
     async def close(self) -> None:
         if self._background:
             self._background.cancel()

@@ -14,7 +14,7 @@ from pathlib import Path
 from app.rag.context import ContextChunk
 
 log = logging.getLogger("prefixrag.units")
-CHARS_PER_TOKEN = 3.0  # conservative estimate for sizing units before the exact /tokenize count
+CHARS_PER_TOKEN = 4.0  # rough chars per LLM token, only to decide when a unit must be windowed
 
 
 def natural_order(chunks: list[ContextChunk]) -> list[ContextChunk]:
