@@ -104,7 +104,9 @@ class ContextPlanner:
                 if self.progress["unit_tokens"] >= budget:
                     return
                 _, chunks = await self.units.unit_for(first[parent])
-                self.progress["unit_tokens"] += await self._warm_messages(self.builder.messages(chunks, ""))
+                tokens = await self._warm_messages(self.builder.messages(chunks, ""))
+                # Add after the await: `x += await f()` would read x first and lose concurrent updates.
+                self.progress["unit_tokens"] += tokens
                 self.progress["units_warmed"] += 1
 
         try:
