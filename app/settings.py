@@ -96,7 +96,7 @@ class GenerationSettings(BaseModel):
         None, gt=0, description="vLLM repetition_penalty (small models loop without one; e.g. 1.2 for SmolLM2).")
     max_question_chars: int = Field(4000, ge=1, description="Longest accepted question, in characters.")
     strategy: Literal["canonical", "document", "reuse", "corpus", "auto"] = Field(
-        "canonical", description="How retrieved context becomes the prompt (see README: strategies).")
+        "auto", description="How retrieved context becomes the prompt (see README: strategies).")
     max_units: int = Field(1, ge=1, description="document strategy: whole units per prompt (more units, more misses).")
     max_unit_tokens: int = Field(12288, ge=128, description="document strategy: a bigger parent is cut into aligned windows.")
     warm_kv_share: float = Field(0.5, gt=0, le=1, description="Share of vLLM's KV cache that unit pre-warm may fill.")

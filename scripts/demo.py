@@ -58,8 +58,8 @@ def show(number: int, question: str, body: dict) -> None:
     print(f"\nQ{number}: {question}\nA{number}: {body['answer'].strip()}")
     for source in body["sources"]:
         print(f"    source: {source['id']}  ({source['title']}, score {source['score']:.2f})")
-    print(f"    prompt_tokens={usage['prompt_tokens']} cached_tokens={usage['cached_tokens']} "
-          f"ttft={body['timings_ms']['ttft']:.0f} ms", flush=True)
+    print(f"    strategy={body['strategy']} prompt_tokens={usage['prompt_tokens']} "
+          f"cached_tokens={usage['cached_tokens']} ttft={body['timings_ms']['ttft']:.0f} ms", flush=True)
 
 
 def main() -> int:
@@ -90,8 +90,8 @@ def main() -> int:
             response = httpx.post(app_url + "/ask", json={"question": question}, timeout=300)
             response.raise_for_status()
             show(number, question, response.json())
-        print("\n[demo] the second question retrieved the same chunks, so vLLM served its prompt prefix from "
-              "cache (cached_tokens); the first already hit the pre-warmed system prompt.")
+        print("\n[demo] cached_tokens is what vLLM served from its prefix cache: the stable prefix (system prompt "
+              "and, with the default 'auto' strategy on this small corpus, the whole corpus) was pre-warmed at start-up.")
         if args.test_model:
             print("[demo] note: --test-model has random weights: its answer text is noise.")
         return 0

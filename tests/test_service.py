@@ -43,6 +43,8 @@ def collections(tmp_path_factory, embedder):
 
 
 def app_settings(chroma_path, vllm_url, collection="facts", **generation):
+    """These tests are about the prompt mechanics, so they pin the canonical strategy unless told otherwise."""
+    generation.setdefault("strategy", "canonical")
     from app.settings import Settings
 
     settings = Settings(_env_file=None)

@@ -93,7 +93,7 @@ def test_same_selection_gives_the_same_prompt_and_the_budget_holds(articles_db, 
         planner = ContextPlanner(settings.generation, retriever, builder, llm, "articles")
         await planner.warm(upstream.info)
         ranked = await retriever.retrieve("When was the quay extended?", 3)
-        streams = [await llm.tokenize(builder.messages(await planner.arrange(ranked), "q")) for _ in range(2)]
+        streams = [await llm.tokenize(builder.messages(await planner.arrange(ranked, 4000), "q")) for _ in range(2)]
         await planner.close()
         await llm.aclose()
         return streams
@@ -107,6 +107,8 @@ def test_same_selection_gives_the_same_prompt_and_the_budget_holds(articles_db, 
                                                     "max_tokens": max_tokens}, timeout=120)
     assert big.status_code == 200, big.text
     assert big.json()["usage"]["prompt_tokens"] + max_tokens <= window
+    if strategy == "corpus":  # the corpus cannot fit beside this answer budget: canonical, not an empty prompt
+        assert big.json()["strategy"] == "canonical" and big.json()["sources"]
 
 
 @pytest.mark.vllm

@@ -8,14 +8,13 @@ import logging
 from collections import Counter
 
 from app.rag.context import ContextChunk, PromptBuilder
-from app.rag.strategies import Canonical, Corpus, Document, Reuse
+from app.rag.strategies import QUESTION_HEADROOM_TOKENS, Canonical, Corpus, Document, Reuse
 from app.rag.trie import ServedTrie
 from app.rag.units import Hotness, UnitIndex
 from app.rag.upstream import UpstreamInfo, WarmupStatus
 from app.settings import GenerationSettings
 
 log = logging.getLogger("prefixrag.planner")
-QUESTION_HEADROOM_TOKENS = 256  # room kept for the question when deciding whether the corpus fits
 
 
 class ContextPlanner:
@@ -35,8 +34,15 @@ class ContextPlanner:
     def name(self) -> str:
         return self.active.name
 
-    async def arrange(self, ranked: list[ContextChunk]) -> list[ContextChunk]:
-        return await self.active.arrange(ranked)
+    async def arrange(self, ranked: list[ContextChunk], budget: int) -> list[ContextChunk]:
+        """The prompt's context for these hits; ``budget`` is the request's prompt-token budget."""
+        return await self.active.arrange(ranked, budget)
+
+    def strategy_for(self, arranged: list[ContextChunk]) -> str:
+        """The strategy that actually built this context (corpus degrades to canonical when it cannot fit)."""
+        if self.active is self.corpus and len(arranged) != len(self.corpus.chunks or []):
+            return "canonical"
+        return self.active.name
 
     def served(self, kept: list[ContextChunk]) -> None:
         self.active.served(kept)
@@ -71,7 +77,7 @@ class ContextPlanner:
         chunks = await self.corpus.load()
         tokens = len(await self.llm.tokenize(self.builder.messages(chunks, "")))
         room = info.max_model_len - self.settings.max_tokens - QUESTION_HEADROOM_TOKENS
-        self.corpus.fits = tokens <= room
+        self.corpus.fits, self.corpus.tokens = tokens <= room, tokens
         if self.settings.strategy == "auto":
             self.active = self.corpus if self.corpus.fits else self.strategies["document"]
         verdict = "fits" if self.corpus.fits else "is too large for corpus mode"

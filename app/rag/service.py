@@ -118,10 +118,11 @@ class RAGService:
         clock = Clock(query.received_at)
         ranked = await self.retriever.retrieve(question, top_k, query.source_prefix)
         clock.mark("retrieve")
-        strategy = self.planner.name
+        budget = self._budget(info.max_model_len, max_tokens)
+        arranged = await self.planner.arrange(ranked, budget)
+        strategy = self.planner.strategy_for(arranged)
         messages, kept, _ = await fit_to_budget(
-            lambda chunks: self.builder.messages(chunks, question), self.llm, await self.planner.arrange(ranked),
-            self._budget(info.max_model_len, max_tokens), self._chunk_chars)
+            lambda chunks: self.builder.messages(chunks, question), self.llm, arranged, budget, self._chunk_chars)
         self.planner.served(kept)
         clock.mark("assemble")
         async for event in self._generate(messages, kept, max_tokens, query.temperature, clock, strategy):

@@ -19,12 +19,13 @@ from app.rag.trie import ServedTrie
 from app.rag.units import Hotness, UnitIndex, as_unit
 
 log = logging.getLogger("prefixrag.strategies")
+QUESTION_HEADROOM_TOKENS = 256  # room kept for the question when deciding whether the corpus fits
 
 
 class Canonical:
     name = "canonical"
 
-    async def arrange(self, ranked: list[ContextChunk]) -> list[ContextChunk]:
+    async def arrange(self, ranked: list[ContextChunk], budget: int) -> list[ContextChunk]:
         return canonical(ranked)
 
     def served(self, kept: list[ContextChunk]) -> None:
@@ -37,7 +38,7 @@ class Document(Canonical):
     def __init__(self, units: UnitIndex, hotness: Hotness, max_units: int = 1) -> None:
         self.units, self.hotness, self.max_units = units, hotness, max_units
 
-    async def arrange(self, ranked: list[ContextChunk]) -> list[ContextChunk]:
+    async def arrange(self, ranked: list[ContextChunk], budget: int) -> list[ContextChunk]:
         hits = {c.id: c for c in ranked}
         units: dict[str, list[ContextChunk]] = {}
         for hit in ranked:  # best-ranked first
@@ -60,7 +61,7 @@ class Reuse(Canonical):
     def __init__(self, trie: ServedTrie) -> None:
         self.trie = trie
 
-    async def arrange(self, ranked: list[ContextChunk]) -> list[ContextChunk]:
+    async def arrange(self, ranked: list[ContextChunk], budget: int) -> list[ContextChunk]:
         by_id = {c.id: c for c in ranked}
         path = self.trie.order(set(by_id))
         return [by_id[i] for i in path] + canonical([c for c in ranked if c.id not in set(path)])
@@ -78,14 +79,16 @@ class Corpus(Canonical):
         self.retriever = retriever
         self.chunks: list[ContextChunk] | None = None
         self.fits = False
+        self.tokens = 0  # the corpus prompt's size (system + all chunks), measured at warm-up
 
     async def load(self) -> list[ContextChunk]:
         self.chunks = canonical(await self.retriever.chunks_where(None))
         return self.chunks
 
-    async def arrange(self, ranked: list[ContextChunk]) -> list[ContextChunk]:
-        if not self.fits or self.chunks is None:
-            return canonical(ranked)  # too large for the window: degrade to canonical (startup said so)
+    async def arrange(self, ranked: list[ContextChunk], budget: int) -> list[ContextChunk]:
+        if not self.fits or self.chunks is None or self.tokens > budget - QUESTION_HEADROOM_TOKENS:
+            # Too large for the window (startup said so), or for this request's answer budget: canonical.
+            return canonical(ranked)
         hits = {c.id: c for c in ranked}
         # One rank for the whole corpus: it is kept or trimmed as a unit, never re-ordered.
         return [replace(hits[c.id], rank=0) if c.id in hits else c for c in self.chunks]
