@@ -1,5 +1,5 @@
 """The offline ceiling: the hit rate an infinite, block-granular prefix cache would give for exactly these
-prompt token streams, in this order. Blocks are hashed in a chain (each hash covers all tokens before it),
+prompt token streams, in this order, after the same pre-warm prompts. Blocks are hashed in a chain (each hash covers all tokens before it),
 as vLLM does; at least one token of every prompt is always computed, so a prompt of n tokens can hit at most
 (n - 1) // block full blocks."""
 
@@ -14,6 +14,14 @@ class BlockCacheCeiling:
         self.seen: set[bytes] = set()
         self.hit_tokens = 0
         self.query_tokens = 0
+
+    def prime(self, token_ids: list[int]) -> None:
+        """A prompt that was in the cache before the stream (pre-warm): its blocks count as seen, not as queries."""
+        parent = b""
+        for block in range(len(token_ids) // self.block_size):
+            chunk = token_ids[block * self.block_size:(block + 1) * self.block_size]
+            parent = hashlib.sha256(parent + repr(chunk).encode()).digest()
+            self.seen.add(parent)
 
     def add(self, token_ids: list[int]) -> int:
         """Account one prompt; return how many of its tokens an infinite cache would have served."""

@@ -84,7 +84,8 @@ class Harness:
         records = await self._replay(stream, one)
         wall_s = time.perf_counter() - started
         after = await self._counters()
-        ceiling = await self._ceiling(records, mode)
+        warmed = service.planner.warmed_prompts if service is not None else []
+        ceiling = await self._ceiling(records, mode, warmed)
         result = {"mode": mode, "k": k, "warmup_s": round(warmup_s, 3)}
         result |= summarise(records, stream, after[0] - before[0], after[1] - before[1], wall_s, ceiling)
         result["strategy"] = service.planner.name if service is not None else "naive"
@@ -115,12 +116,17 @@ class Harness:
         return (metric_total(text, "vllm:prefix_cache_hits_total"),
                 metric_total(text, "vllm:prefix_cache_queries_total"))
 
-    async def _ceiling(self, records: list[Record], mode: str) -> BlockCacheCeiling:
+    async def _ceiling(self, records: list[Record], mode: str, warmed: list[list[dict]]) -> BlockCacheCeiling:
         ceiling = BlockCacheCeiling(self.upstream.require().block_size)
         dump = None
         if self.args.dump_prompts:
             self.args.dump_prompts.mkdir(parents=True, exist_ok=True)
             dump = open(self.args.dump_prompts / f"{mode}.jsonl", "w")
+        for messages in warmed:  # pre-warm prompts first, flagged, so a replay warms the cache the same way
+            ids = await self.llm.tokenize(messages)
+            ceiling.prime(ids)
+            if dump:
+                dump.write(json.dumps({"warmup": True, "prompt_token_ids": ids, "max_tokens": 1}) + "\n")
         for record in records:
             if record.error is None:
                 ids = await self.llm.tokenize(record.messages)

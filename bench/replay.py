@@ -24,6 +24,12 @@ async def replay_mode(client: httpx.AsyncClient, model: str, rows: list[dict], c
     if reset.status_code != 200:
         print(f"warning: could not reset the prefix cache ({reset.status_code}); start vLLM with "
               "VLLM_SERVER_DEV_MODE=1 for comparable numbers")
+    warmups = [row for row in rows if row.get("warmup")]
+    rows = [row for row in rows if not row.get("warmup")]
+    for row in warmups:  # the service's pre-warm, replayed before the counters are read
+        warm = await client.post("/v1/completions", json={"model": model, "prompt": row["prompt_token_ids"],
+                                                          "max_tokens": 1, "temperature": 0})
+        warm.raise_for_status()
     before = (await client.get("/metrics")).text
     queue: asyncio.Queue = asyncio.Queue()
     for row in rows:
@@ -62,6 +68,8 @@ async def replay_mode(client: httpx.AsyncClient, model: str, rows: list[dict], c
     queries = (metric_total(after, "vllm:prefix_cache_queries_total")
                - metric_total(before, "vllm:prefix_cache_queries_total"))
     ceiling = BlockCacheCeiling(block)
+    for row in warmups:
+        ceiling.prime(row["prompt_token_ids"])
     for row in rows:
         ceiling.add(row["prompt_token_ids"])
     return {"questions": len(rows), "errors": errors, "hit_rate": round(hits / queries, 4) if queries else 0.0,

@@ -41,6 +41,9 @@ def test_ceiling_counts_only_leading_blocks_seen_before():
     assert ceiling.add([99] + list(range(1, 10))) == 0  # a different first token breaks the whole chain
     assert ceiling.add(list(range(8))) == 4  # at least one token is computed: (8 - 1) // 4 blocks
     assert ceiling.hit_tokens == 12 and ceiling.query_tokens == 38
+    primed = BlockCacheCeiling(4)
+    primed.prime(list(range(8)))  # pre-warmed: seen, but not a query
+    assert primed.add(list(range(10))) == 8 and primed.query_tokens == 10
 
 
 def test_harness_end_to_end_on_a_tiny_slice(tmp_path, vllm_url):
@@ -65,8 +68,9 @@ def test_harness_end_to_end_on_a_tiny_slice(tmp_path, vllm_url):
     assert modes["naive-matched"]["recall"] >= modes["prefixrag"]["recall"] or modes["naive-matched"]["k"] == 100
     # prefixrag's fixed system prompt alone is over one 128-token block: it must hit where naive cannot.
     assert modes["prefixrag"]["hit_rate"] > modes["naive"]["hit_rate"]
-    dumped = (tmp_path / "prompts" / "prefixrag.jsonl").read_text().splitlines()
-    assert len(dumped) == 10 and json.loads(dumped[0])["prompt_token_ids"]
+    dumped = [json.loads(line) for line in (tmp_path / "prompts" / "prefixrag.jsonl").read_text().splitlines()]
+    assert len([row for row in dumped if not row.get("warmup")]) == 10 and dumped[-1]["prompt_token_ids"]
+    assert any(row.get("warmup") for row in dumped)  # the pre-warm travels with the stream
 
     from bench.replay import main as replay
 

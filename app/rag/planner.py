@@ -29,6 +29,7 @@ class ContextPlanner:
         self.active = self.strategies["document" if settings.strategy == "auto" else settings.strategy]
         self._background: asyncio.Task | None = None
         self.progress: dict = {}
+        self.warmed_prompts: list[list[dict]] = []  # what pre-warm sent (benchmarks prime their ceiling with it)
 
     @property
     def name(self) -> str:
@@ -125,4 +126,5 @@ class ContextPlanner:
     async def _warm_messages(self, messages: list[dict]) -> int:
         request = self.llm.chat_request(messages, max_tokens=1, temperature=0.0, prefix_key="warmup", stream=False)
         await self.llm.complete(request)
+        self.warmed_prompts.append(messages)
         return len(await self.llm.tokenize(messages))
