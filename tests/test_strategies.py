@@ -143,6 +143,8 @@ def test_corpus_mode_hits_the_whole_corpus_on_every_request(articles_db, vllm_ur
             answer = httpx.post(server.url + "/ask", json={"question": question, "max_tokens": 4}, timeout=60).json()
             assert answer["strategy"] == "corpus"
             assert answer["usage"]["cached_tokens"] >= floor_block(corpus_tokens, 128)
+            scores = [source["score"] for source in answer["sources"]]
+            assert scores and scores == sorted(scores, reverse=True)  # sources in relevance order
 
 
 @pytest.mark.vllm

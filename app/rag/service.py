@@ -184,7 +184,8 @@ class RAGService:
         done = time.perf_counter()
         ttft = (first_token or done) - clock.started
         self.metrics.observe_answer(strategy, completion.prompt_tokens, completion.cached_tokens, ttft)
-        sources = sorted((c for c in context if c.retrieved), key=lambda c: c.rank)
+        # Most relevant first (ranks can be shared: a unit or the corpus carries one rank for all its chunks).
+        sources = sorted((c for c in context if c.retrieved), key=lambda c: -c.score)
         yield Answer(text=completion.text, sources=sources, completion=completion, strategy=strategy,
                      timings_ms=clock.timings(ttft, done), messages=messages, context=context)
 
