@@ -125,6 +125,6 @@ class ContextPlanner:
 
     async def _warm_messages(self, messages: list[dict]) -> int:
         request = self.llm.chat_request(messages, max_tokens=1, temperature=0.0, prefix_key="warmup", stream=False)
-        await self.llm.complete(request)
+        response = await self.llm.complete(request)
         self.warmed_prompts.append(messages)
-        return len(await self.llm.tokenize(messages))
+        return response.usage.prompt_tokens  # vLLM counted the prompt it just cached: no second /tokenize
