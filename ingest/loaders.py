@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import re
 from pathlib import Path
@@ -22,11 +23,13 @@ def is_supported(path: Path) -> bool:
     return path.suffix.lower() in SUPPORTED
 
 
-def load_file(path: Path, rel: str, parent_field: str | None = None) -> list[SourceDocument]:
+def load_file(path: Path, rel: str, parent_field: str | None = None, raw: bytes | None = None) -> list[SourceDocument]:
+    """``raw``: the file's bytes when the caller already read them (they are not read again)."""
+    raw = path.read_bytes() if raw is None else raw
     suffix = path.suffix.lower()
     if suffix == ".pdf":
-        return [_load_pdf(path, rel)]
-    text = decode_text(path.read_bytes())
+        return [_load_pdf(raw, rel)]
+    text = decode_text(raw)
     if suffix == ".jsonl":
         return _load_jsonl(text, rel, parent_field)
     if suffix in HTML_EXTENSIONS:
@@ -73,12 +76,12 @@ def _markdown_blocks(text: str):
     return title, blocks
 
 
-def _load_pdf(path: Path, rel: str) -> SourceDocument:
+def _load_pdf(raw: bytes, rel: str) -> SourceDocument:
     from pypdf import PdfReader
     from pypdf.errors import PdfReadError
 
     try:
-        reader = PdfReader(path)
+        reader = PdfReader(io.BytesIO(raw))
         if reader.is_encrypted and not reader.decrypt(""):
             raise LoadError("encrypted PDF (needs a password)")
         pages = [((), page.extract_text() or "", number) for number, page in enumerate(reader.pages, 1)]

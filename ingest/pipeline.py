@@ -61,12 +61,13 @@ def load(path: Path, rel: str, settings: Settings, identity: str, stored_by_sour
         size_mb = path.stat().st_size / 1e6
         if size_mb > settings.ingest.max_file_mb:
             raise LoadError(f"too large: {size_mb:.1f} MB > limit {settings.ingest.max_file_mb:g} MB")
-        result.file_hash = sha256(hashlib.sha256(path.read_bytes()).hexdigest(), identity)
+        raw = path.read_bytes()
+        result.file_hash = sha256(hashlib.sha256(raw).hexdigest(), identity)
         known = stored_by_source.get(rel, [])
         if known and all(doc.file_hash == result.file_hash and doc.complete for doc in known):
             result.skipped_unchanged = True  # an unchanged file costs one hash, not a parse
             return result
-        result.documents = load_file(path, rel, settings.chunking.parent_field)
+        result.documents = load_file(path, rel, settings.chunking.parent_field, raw)
         for document in result.documents:
             document.file_hash = result.file_hash
     except LoadError as exc:
@@ -191,14 +192,3 @@ def _ingest_file(result: FileResult, stored: dict[str, StoredDocument], writer: 
     # A file is "added" only if all its documents are new; any change to a known one makes it "updated".
     status = "unchanged" if statuses == {"unchanged"} else "added" if statuses == {"added"} else "updated"
     setattr(report, f"files_{status}", getattr(report, f"files_{status}") + 1)
-
-
-def chunk_metadata(document: SourceDocument, chunk: Chunk, doc_hash: str, n_chunks: int) -> dict:
-    # Chroma metadata values must be scalars (no None): absent values are "" or -1.
-    return {
-        "doc_id": document.doc_id, "source": document.source, "title": document.title,
-        "chunk_index": chunk.index, "n_chunks": n_chunks, "start": chunk.start, "end": chunk.end,
-        "headings": " > ".join(chunk.headings), "page": chunk.page if chunk.page is not None else -1,
-        "parent_id": document.parent_id, "parent_pos": document.parent_pos, "kind": document.kind,
-        "content_hash": chunk.content_hash, "doc_hash": doc_hash, "file_hash": document.file_hash,
-    }

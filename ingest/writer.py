@@ -27,8 +27,6 @@ class ChunkWriter:
 
     def add_document(self, document: SourceDocument, chunks: list[Chunk], doc_hash: str,
                      previous_ids: list[str]) -> None:
-        from ingest.pipeline import chunk_metadata
-
         new_ids = {chunk.chunk_id for chunk in chunks}
         self.pending[document.doc_id] = _Pending(new_ids, [i for i in previous_ids if i not in new_ids], len(chunks))
         if previous_ids and not self.dry_run:
@@ -98,3 +96,14 @@ class ChunkWriter:
         if not self.dry_run:
             for start in range(0, len(ids), 5000):
                 self.collection.delete(ids=ids[start:start + 5000])
+
+
+def chunk_metadata(document: SourceDocument, chunk: Chunk, doc_hash: str, n_chunks: int) -> dict:
+    # Chroma metadata values must be scalars (no None): absent values are "" or -1.
+    return {
+        "doc_id": document.doc_id, "source": document.source, "title": document.title,
+        "chunk_index": chunk.index, "n_chunks": n_chunks, "start": chunk.start, "end": chunk.end,
+        "headings": " > ".join(chunk.headings), "page": chunk.page if chunk.page is not None else -1,
+        "parent_id": document.parent_id, "parent_pos": document.parent_pos, "kind": document.kind,
+        "content_hash": chunk.content_hash, "doc_hash": doc_hash, "file_hash": document.file_hash,
+    }
