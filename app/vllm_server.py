@@ -10,7 +10,6 @@ import argparse
 import os
 import shlex
 import sys
-from pathlib import Path
 
 from app.settings import Settings, VLLMServerSettings
 

@@ -11,7 +11,6 @@ import argparse
 import asyncio
 import json
 import tempfile
-import time
 from pathlib import Path
 
 from bench.common import environment, write_json

@@ -195,7 +195,7 @@ class RAGService:
     def validate_chat(self, chat: ChatQuery) -> None:
         """Bad conversations are 400s before any streaming starts."""
         if not chat.turns or chat.turns[-1].role != "user":
-            raise BadRequest("the last message must be a user message", param="messages")
+            raise BadRequest("the last message must be a user message", param="messages", code="invalid_messages")
         for number, turn in enumerate(chat.turns):
             if turn.role == "user" and not turn.content.strip():
                 raise BadRequest(f"messages[{number}]: user content must be non-empty text", param="messages",

@@ -11,7 +11,7 @@ from fastapi import APIRouter
 from fastapi.responses import StreamingResponse
 
 from app.deps import Authorized, ServiceDep, SettingsDep
-from app.errors import BadRequest, NotFound, ServiceError
+from app.errors import NotFound, ServiceError
 from app.llm import Delta
 from app.protocol import (AssistantMessage, ChatChoice, ChatCompletion, ChatCompletionChunk, ChatCompletionRequest,
                           ChatSource, ChatUsage, ChunkChoice, ChunkDelta, ErrorResponse, ModelCard, ModelList,
@@ -53,8 +53,6 @@ async def chat_completions(body: ChatCompletionRequest, service: ServiceDep, set
 def to_chat_query(body: ChatCompletionRequest) -> ChatQuery:
     system = "\n\n".join(m.text() for m in body.messages if m.role in ("system", "developer") and m.text())
     turns = [Turn(m.role, m.text()) for m in body.messages if m.role in ("user", "assistant")]
-    if not turns or turns[-1].role != "user":
-        raise BadRequest("the last message must be a user message", param="messages", code="invalid_messages")
     stop = [body.stop] if isinstance(body.stop, str) else body.stop
     return ChatQuery(turns=turns, system=system, max_tokens=body.max_completion_tokens or body.max_tokens,
                      temperature=body.temperature, top_p=body.top_p, stop=stop)
