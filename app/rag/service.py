@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import time
-from collections import OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -13,6 +12,7 @@ from app.llm import Completion, Delta, LLMClient
 from app.metrics import ServiceMetrics
 from app.rag.budget import OverBudget, fit_to_budget
 from app.rag.context import ContextChunk, PromptBuilder
+from app.rag.lru import AsyncLRU
 from app.rag.planner import ContextPlanner
 from app.rag.conversation import Turn, conversation_messages, new_context_per_turn
 from app.rag.retriever import Retriever
@@ -80,7 +80,7 @@ class RAGService:
         self.upstream, self.metrics = upstream, metrics
         self.planner = ContextPlanner(settings, retriever, builder, llm, retriever.chroma.collection)
         upstream.warm = self.warm
-        self._retrievals: OrderedDict[tuple, list[ContextChunk]] = OrderedDict()
+        self._retrievals: AsyncLRU[list[ContextChunk]] = AsyncLRU(RETRIEVAL_CACHE_SIZE)
 
     def validate(self, query: Query) -> tuple[str, int, int]:
         question = query.question.strip() if isinstance(query.question, str) else ""
@@ -160,15 +160,8 @@ class RAGService:
 
     async def _retrieve_cached(self, question: str, top_k: int, source_prefix: str | None) -> list[ContextChunk]:
         # Earlier turns are re-retrieved on every request; an LRU keeps that to one Chroma query per new turn.
-        key = (question, top_k, source_prefix)
-        if key in self._retrievals:
-            self._retrievals.move_to_end(key)
-            return self._retrievals[key]
-        ranked = await self.retriever.retrieve(question, top_k, source_prefix)
-        self._retrievals[key] = ranked
-        if len(self._retrievals) > RETRIEVAL_CACHE_SIZE:
-            self._retrievals.popitem(last=False)
-        return ranked
+        return await self._retrievals.get((question, top_k, source_prefix),
+                                          lambda: self.retriever.retrieve(question, top_k, source_prefix))
 
     async def _generate(self, messages: list[dict], context: list[ContextChunk], max_tokens: int,
                         temperature: float | None, clock: "Clock", strategy: str,

@@ -7,11 +7,11 @@ from __future__ import annotations
 import json
 import logging
 import threading
-from collections import OrderedDict
 from dataclasses import replace
 from pathlib import Path
 
 from app.rag.context import ContextChunk
+from app.rag.lru import AsyncLRU
 
 log = logging.getLogger("prefixrag.units")
 CHARS_PER_TOKEN = 4.0  # rough chars per LLM token, only to decide when a unit must be windowed
@@ -30,18 +30,13 @@ class UnitIndex:
 
     def __init__(self, retriever, max_unit_tokens: int, cache_size: int = 256) -> None:
         self.retriever, self.max_unit_tokens = retriever, max_unit_tokens
-        self._parents: OrderedDict[str, list[ContextChunk]] = OrderedDict()
-        self._cache_size = cache_size
+        self._parents: AsyncLRU[list[ContextChunk]] = AsyncLRU(cache_size)
 
     async def parent(self, parent_id: str) -> list[ContextChunk]:
-        if parent_id in self._parents:
-            self._parents.move_to_end(parent_id)
-            return self._parents[parent_id]
-        chunks = natural_order(await self.retriever.chunks_where({"parent_id": parent_id}))
-        self._parents[parent_id] = chunks
-        if len(self._parents) > self._cache_size:
-            self._parents.popitem(last=False)
-        return chunks
+        return await self._parents.get(parent_id, lambda: self._fetch(parent_id))
+
+    async def _fetch(self, parent_id: str) -> list[ContextChunk]:
+        return natural_order(await self.retriever.chunks_where({"parent_id": parent_id}))
 
     async def unit_for(self, hit: ContextChunk) -> tuple[str, list[ContextChunk]]:
         """(unit key, its chunks in natural order) for a retrieved chunk."""

@@ -1,0 +1,25 @@
+"""A small LRU for async loaders (retrievals of earlier chat turns, parent documents of units)."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Hashable
+from typing import Generic, TypeVar
+
+V = TypeVar("V")
+
+
+class AsyncLRU(Generic[V]):
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._items: OrderedDict[Hashable, V] = OrderedDict()
+
+    async def get(self, key: Hashable, load: Callable[[], Awaitable[V]]) -> V:
+        if key in self._items:
+            self._items.move_to_end(key)
+            return self._items[key]
+        value = await load()
+        self._items[key] = value
+        if len(self._items) > self.size:
+            self._items.popitem(last=False)
+        return value
