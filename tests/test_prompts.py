@@ -63,3 +63,17 @@ def test_an_incomplete_template_file_fails_at_load(tmp_path):
     (tmp_path / "rag.toml").write_text('[system]\ntext = "hi"\n')
     with pytest.raises(TemplateError, match="lacks"):
         PromptTemplates.load(tmp_path)
+
+
+def test_a_unit_is_one_document_with_its_text_as_written(builder):
+    source = "Alpha beta gamma. Delta epsilon zeta. Eta theta iota."
+    # Two chunks of one document that overlap by "Delta epsilon zeta." (the splitter's overlap), then a record
+    # of another document in the same unit (a jsonl parent), then a chunk outside any unit.
+    first = ContextChunk("a::0::x", "a", 0, source[:37], title="A", start=0, end=37, unit="guide")
+    second = ContextChunk("a::1::y", "a", 1, source[18:], title="A", start=18, end=len(source), unit="guide")
+    record = ContextChunk("b::0::z", "b", 0, "Record text.", title="B", start=0, end=12, unit="guide")
+    alone = ContextChunk("c::0::w", "c", 0, "Loose hit.", title="C")
+    user = builder.messages([first, second, record, alone], "q")[1]["content"]
+    assert user.count("<document ") == 2  # the unit's three chunks share one header
+    assert f"{source}\n\nRecord text." in user  # overlap merged, nothing repeated or lost
+    assert 'id="guide" title="A"' in user and 'id="c::0"' in user  # cited by short, stable ids

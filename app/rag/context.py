@@ -26,6 +26,14 @@ class ContextChunk:
     parent_id: str = ""
     parent_pos: int = 0
     retrieved: bool = True  # False for chunks a strategy added around the hits (rest of a unit, corpus)
+    start: int = -1  # char offsets in the source document (-1: unknown); overlapping neighbours are merged
+    end: int = -1
+    unit: str = ""  # the stable unit this chunk was placed in (document/corpus strategies); "" = on its own
+
+    @property
+    def cite_id(self) -> str:
+        # What the prompt calls the chunk: document and position. The content hash in ``id`` only costs tokens.
+        return f"{self.doc_id}::{self.chunk_index}"
 
     @property
     def canonical_key(self) -> tuple[str, int, str]:
@@ -45,14 +53,23 @@ class PromptBuilder:
         return self.templates.render("system", "text")
 
     def render_chunk(self, chunk: ContextChunk) -> str:
-        return self.templates.render("context", "document", id=attribute(chunk.id), title=attribute(chunk.title),
-                                     headings=attribute(chunk.headings), text=inert(chunk.text))
+        return self.templates.render("context", "document", id=attribute(chunk.cite_id),
+                                     title=attribute(chunk.title), headings=attribute(chunk.headings),
+                                     text=inert(chunk.text))
+
+    def render_unit(self, unit: list[ContextChunk]) -> str:
+        """A unit is one document in the prompt: one header, its chunks' text in natural order (headings are part
+        of that text), so a 40-paragraph article does not pay 40 headers."""
+        return self.templates.render("context", "unit", id=attribute(unit[0].unit), title=attribute(unit[0].title),
+                                     text=inert(unit_text(unit)))
 
     def context_block(self, ordered: list[ContextChunk]) -> str:
         """Render chunks in the order given (callers pass canonical or strategy order, never relevance)."""
         if not ordered:
             return self.templates.render("context", "empty")
-        return self.templates.render("context", "block", documents="".join(map(self.render_chunk, ordered)))
+        parts = [self.render_unit(group) if group[0].unit else "".join(map(self.render_chunk, group))
+                 for group in _runs_of_units(ordered)]
+        return self.templates.render("context", "block", documents="".join(parts))
 
     def question(self, question: str) -> str:
         return self.templates.render("question", "text", question=inert(question))
@@ -66,3 +83,27 @@ class PromptBuilder:
     def warmup_messages(self) -> list[dict[str, str]]:
         """The stable prefix: system prompt and the fixed start of the user turn."""
         return [{"role": "system", "content": self.system_prompt}, {"role": "user", "content": ""}]
+
+
+def _runs_of_units(ordered: list[ContextChunk]) -> list[list[ContextChunk]]:
+    """Consecutive chunks of the same unit, grouped; chunks outside any unit form runs of their own."""
+    runs: list[list[ContextChunk]] = []
+    for chunk in ordered:
+        if runs and runs[-1][0].unit == chunk.unit:
+            runs[-1].append(chunk)
+        else:
+            runs.append([chunk])
+    return runs
+
+
+def unit_text(unit: list[ContextChunk]) -> str:
+    """The unit's chunks joined in order; a chunk that overlaps its predecessor (splitter overlap) contributes
+    only its new text, so the document reads as it was written."""
+    text = unit[0].text
+    for previous, chunk in zip(unit, unit[1:]):
+        overlap = previous.end - chunk.start if chunk.doc_id == previous.doc_id and chunk.start >= 0 else 0
+        if 0 < overlap < len(chunk.text) and chunk.start >= previous.start:
+            text += chunk.text[overlap:]
+        else:
+            text += "\n\n" + chunk.text
+    return text

@@ -12,7 +12,7 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
-REQUIRED = {("system", "text"), ("context", "block"), ("context", "document"), ("context", "empty"),
+REQUIRED = {("system", "text"), ("context", "block"), ("context", "document"), ("context", "unit"), ("context", "empty"),
             ("question", "text")}
 # Strings a chat template or tokenizer treats as structure: role markers / special tokens and our delimiters.
 _SPECIAL = re.compile(r"<\|(?=[^<>]{0,40}\|>)|\|>")

@@ -5,7 +5,7 @@ a prefix vLLM already holds. Each is a setting (RAG_GENERATION__STRATEGY) and a 
 - document: the top hit's stable unit (its whole parent document, or an aligned window of it) first, hot units
   ahead of cold ones, then the remaining hits canonically. The unit is shared by every question about it.
 - reuse: the top-k set ordered along the longest path already served (bounded trie), the rest canonically.
-- corpus: the whole collection in canonical order as one fixed prefix, when it fits the window.
+- corpus: the whole collection, parent document by parent document, as one fixed prefix, when it fits the window.
 - auto: corpus when it fits, else document.
 """
 
@@ -82,13 +82,15 @@ class Corpus(Canonical):
         self.tokens = 0  # the corpus prompt's size (system + all chunks), measured at warm-up
 
     async def load(self) -> list[ContextChunk]:
-        self.chunks = canonical(await self.retriever.chunks_where(None))
+        # Parent by parent, each in natural order and rendered as one unit (one header per parent document).
+        chunks = sorted(await self.retriever.chunks_where(None),
+                        key=lambda c: (c.parent_id or c.doc_id, c.parent_pos, c.doc_id, c.chunk_index))
+        self.chunks = [replace(c, unit=c.parent_id or c.doc_id, retrieved=False) for c in chunks]
         return self.chunks
 
     async def arrange(self, ranked: list[ContextChunk], budget: int) -> list[ContextChunk]:
         if not self.fits or self.chunks is None or self.tokens > budget - QUESTION_HEADROOM_TOKENS:
             # Too large for the window (startup said so), or for this request's answer budget: canonical.
             return canonical(ranked)
-        hits = {c.id: c for c in ranked}
         # One rank for the whole corpus: it is kept or trimmed as a unit, never re-ordered.
-        return [replace(hits[c.id], rank=0) if c.id in hits else c for c in self.chunks]
+        return as_unit(self.chunks, 0, {c.id: c for c in ranked})

@@ -39,12 +39,16 @@ class UnitIndex:
         return natural_order(await self.retriever.chunks_where({"parent_id": parent_id}))
 
     async def unit_for(self, hit: ContextChunk) -> tuple[str, list[ContextChunk]]:
-        """(unit key, its chunks in natural order) for a retrieved chunk."""
+        """(unit key, its chunks in natural order, tagged with the key) for a retrieved chunk."""
+        key, chunks = await self._locate(hit)
+        return key, [replace(c, unit=key) for c in chunks]
+
+    async def _locate(self, hit: ContextChunk) -> tuple[str, list[ContextChunk]]:
         chunks = await self.parent(hit.parent_id or hit.doc_id)
         if not chunks:
             return hit.id, [hit]
         if estimate_tokens(chunks) <= self.max_unit_tokens:
-            return hit.parent_id, chunks
+            return hit.parent_id or hit.doc_id, chunks
         per_chunk = max(1, estimate_tokens(chunks) // len(chunks))
         size = max(1, self.max_unit_tokens // per_chunk)
         position = next((i for i, c in enumerate(chunks) if c.id == hit.id), 0)
@@ -53,9 +57,11 @@ class UnitIndex:
 
 
 def as_unit(chunks: list[ContextChunk], rank: int, hits: dict[str, ContextChunk]) -> list[ContextChunk]:
-    """The unit's chunks, all carrying the unit's rank; retrieved hits keep their score and flag."""
-    return [replace(hits[c.id], rank=rank) if c.id in hits else replace(c, rank=rank, retrieved=False)
-            for c in chunks]
+    """The unit's chunks, all carrying the unit's rank; the retrieved ones are flagged with their score.
+
+    Everything rendered comes from the unit's own chunks, so the unit's bytes never depend on the question."""
+    return [replace(c, rank=rank, score=hits[c.id].score, retrieved=True) if c.id in hits
+            else replace(c, rank=rank, retrieved=False) for c in chunks]
 
 
 class Hotness:
