@@ -20,6 +20,12 @@ class BadRequest(ServiceError):
     status, type, code = 400, "invalid_request_error", "invalid_request"
 
 
+class ContextTooLong(BadRequest):
+    """The prompt does not fit the model's context window (ours, or vLLM's verdict)."""
+
+    code = "context_length_exceeded"
+
+
 class Unauthorized(ServiceError):
     status, type, code = 401, "authentication_error", "invalid_api_key"
 

@@ -11,7 +11,7 @@ import httpx
 import openai
 from openai import AsyncOpenAI
 
-from app.errors import BadRequest, UpstreamError, UpstreamTimeout, UpstreamUnavailable
+from app.errors import BadRequest, ContextTooLong, UpstreamError, UpstreamTimeout, UpstreamUnavailable
 from app.settings import VLLMSettings
 
 _LABELS = re.compile(r'(\w+)="([^"]*)"')
@@ -124,6 +124,8 @@ class upstream_errors:
         if isinstance(exc, (openai.APIConnectionError, httpx.TransportError)):
             raise UpstreamUnavailable(f"vLLM is not reachable: {exc}") from exc
         if isinstance(exc, openai.BadRequestError):
+            if "maximum context length" in exc.message:
+                raise ContextTooLong(f"vLLM rejected the request: {exc.message}", param="messages") from exc
             raise BadRequest(f"vLLM rejected the request: {exc.message}") from exc
         status = getattr(getattr(exc, "response", None), "status_code", None)
         if status in (502, 503, 504):

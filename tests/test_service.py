@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import time
 
 import httpx
@@ -36,7 +37,13 @@ def collections(tmp_path_factory, embedder):
         (facts / name).write_text(text + "\n")
     settings = Settings(_env_file=None)
     settings.chroma.path = base / "chroma"
-    for name, root in (("facts", facts), ("project-docs", ROOT / "docs")):
+    long = base / "long"  # more text than the test server's 4096-token window
+    long.mkdir()
+    words = " ".join([*FACTS.values(), *(p.read_text() for p in (ROOT / "docs").glob("*.md"))]).split()
+    rng = random.Random(7)
+    for number in range(24):
+        (long / f"log-{number:02d}.md").write_text(" ".join(rng.choice(words) for _ in range(150)) + "\n")
+    for name, root in (("facts", facts), ("project-docs", ROOT / "docs"), ("long", long)):
         settings.chroma.collection = name
         run_ingest([root], settings, embedder)
     return base / "chroma"
@@ -122,6 +129,22 @@ def test_over_budget_retrieval_is_trimmed_never_rejected(collections, vllm_url, 
     assert untrimmed.json()["usage"]["prompt_tokens"] + max_tokens > info["max_model_len"], "trim was needed"
     kept_ranks = [s["id"] for s in untrimmed.json()["sources"]][: len(body["sources"])]
     assert [s["id"] for s in body["sources"]] == kept_ranks  # the lowest-ranked chunks were the ones dropped
+
+
+def test_a_wrong_token_estimate_is_caught_by_vllm_and_the_prompt_refitted(collections, vllm_url, embedder):
+    app = create_app(app_settings(collections, vllm_url, collection="long"), embedder=embedder)
+    with AppServer(app) as server:
+        info = server.wait_ready()["vllm"]
+        # Calibrate the estimator absurdly (a million characters per token): every prompt now looks tiny and is
+        # sent uncounted, so the 24-chunk prompt reaches vLLM, which refuses it; the service must count, trim
+        # and send again rather than fail the request.
+        estimator = app.state.service.estimator
+        estimator.chars_per_token, estimator.samples = 1_000_000.0, 1
+        response = ask(server, question="What does the log say about anchors?", top_k=24)
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert body["usage"]["prompt_tokens"] + 8 <= info["max_model_len"]
+    assert 0 < len(body["sources"]) < 24, "the refit must have dropped the lowest-ranked chunks"
 
 
 def test_vllm_down_gives_503_then_recovers_without_restart(collections, vllm_url, embedder):

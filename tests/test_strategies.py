@@ -77,6 +77,7 @@ def test_same_selection_gives_the_same_prompt_and_the_budget_holds(articles_db, 
     from app.llm import LLMClient
     from app.rag.context import PromptBuilder
     from app.rag.planner import ContextPlanner
+    from app.rag.budget import TokenEstimator
     from app.rag.prompts import PromptTemplates
     from app.rag.retriever import Retriever
     from app.rag.upstream import Upstream
@@ -90,7 +91,7 @@ def test_same_selection_gives_the_same_prompt_and_the_budget_holds(articles_db, 
         await upstream.refresh()
         retriever = Retriever(embedder, settings.chroma, ThreadPoolExecutor(1))
         builder = PromptBuilder(PromptTemplates.load(ROOT / "prompts"))
-        planner = ContextPlanner(settings.generation, retriever, builder, llm, "articles")
+        planner = ContextPlanner(settings.generation, retriever, builder, llm, "articles", TokenEstimator())
         await planner.warm(upstream.info)
         ranked = await retriever.retrieve("When was the quay extended?", 3)
         streams = [await llm.tokenize(builder.messages(await planner.arrange(ranked, 4000), "q")) for _ in range(2)]

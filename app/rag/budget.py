@@ -1,28 +1,73 @@
 """Fit the prompt to the model's window, counted with the server's own tokenizer (vLLM ``/tokenize``).
 
 Over budget, the lowest-ranked chunks go first; the survivors keep their (canonical) order, so a trimmed
-prompt is still a pure function of the set it contains. vLLM is never sent a prompt it would reject.
+prompt is still a pure function of the set it contains.
+
+Counting a 10K-token prompt costs a round trip and a tokenisation on the server's cores, per request. So a
+``TokenEstimator`` calibrated on prompts vLLM has already counted answers first: a prompt whose pessimistic
+estimate is well inside the budget is sent without counting. Only prompts near the limit are counted exactly;
+if vLLM still refuses one (an estimate can be wrong), the service counts it exactly and sends it again.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from app.errors import BadRequest
+import threading
+
+from app.errors import ContextTooLong
 from app.rag.context import ContextChunk
 
 MAX_ROUNDS = 8
 Render = Callable[[list[ContextChunk]], list[dict]]
 
 
-class OverBudget(BadRequest):
-    code = "context_length_exceeded"
+class OverBudget(ContextTooLong):
+    pass
+
+
+class TokenEstimator:
+    """A pessimistic token count from characters: the densest chars-per-token ratio seen so far, less a margin.
+
+    Uncalibrated (nothing counted yet) it declines to guess, and every prompt is counted exactly."""
+
+    def __init__(self, margin: float = 0.15, slack_tokens: int = 64, min_samples: int = 1) -> None:
+        self.margin, self.slack_tokens, self.min_samples = margin, slack_tokens, min_samples
+        self.chars_per_token: float | None = None
+        self.samples = 0
+        self._lock = threading.Lock()
+
+    def observe(self, messages: list[dict], prompt_tokens: int) -> None:
+        """Learn from a prompt vLLM counted (warm-ups, answered requests)."""
+        if prompt_tokens <= 0:
+            return
+        ratio = prompt_chars(messages) / prompt_tokens
+        with self._lock:
+            self.samples += 1
+            self.chars_per_token = min(ratio, self.chars_per_token or ratio)
+
+    def estimate(self, messages: list[dict]) -> int | None:
+        if self.chars_per_token is None or self.samples < self.min_samples:
+            return None
+        return int(prompt_chars(messages) / self.chars_per_token * (1 + self.margin)) + self.slack_tokens
+
+
+def prompt_chars(messages: list[dict]) -> int:
+    return sum(len(m["content"]) for m in messages)
 
 
 async def fit_to_budget(render: Render, llm, chunks: list[ContextChunk], budget: int,
-                        chunk_chars: Callable[[ContextChunk], int]) -> tuple[list[dict], list[ContextChunk], int]:
-    """Render with as many of ``chunks`` as fit; ``chunk_chars`` tells how much text one chunk adds."""
+                        chunk_chars: Callable[[ContextChunk], int], estimator: TokenEstimator | None = None,
+                        ) -> tuple[list[dict], list[ContextChunk], int]:
+    """Render with as many of ``chunks`` as fit; ``chunk_chars`` tells how much text one chunk adds.
+
+    Returns (messages, chunks kept, token count: exact, or the estimate when the estimate sufficed)."""
     kept = list(chunks)
+    if estimator is not None:
+        messages = render(kept)
+        estimate = estimator.estimate(messages)
+        if estimate is not None and estimate <= budget:
+            return messages, kept, estimate
     for _ in range(MAX_ROUNDS):
         messages = render(kept)
         tokens = len(await llm.tokenize(messages))

@@ -7,6 +7,7 @@ import asyncio
 import logging
 from collections import Counter
 
+from app.rag.budget import TokenEstimator
 from app.rag.context import ContextChunk, PromptBuilder
 from app.rag.strategies import QUESTION_HEADROOM_TOKENS, Canonical, Corpus, Document, Reuse
 from app.rag.trie import ServedTrie
@@ -18,8 +19,10 @@ log = logging.getLogger("prefixrag.planner")
 
 
 class ContextPlanner:
-    def __init__(self, settings: GenerationSettings, retriever, builder: PromptBuilder, llm, collection: str) -> None:
+    def __init__(self, settings: GenerationSettings, retriever, builder: PromptBuilder, llm, collection: str,
+                 estimator: TokenEstimator) -> None:
         self.settings, self.retriever, self.builder, self.llm = settings, retriever, builder, llm
+        self.estimator = estimator  # learns chars-per-token from what pre-warm sends
         hotness_path = settings.hotness_dir / f"{collection}.json" if settings.hotness_dir else None
         self.hotness = Hotness(hotness_path)
         self.units = UnitIndex(retriever, settings.max_unit_tokens)
@@ -127,4 +130,5 @@ class ContextPlanner:
         request = self.llm.chat_request(messages, max_tokens=1, temperature=0.0, prefix_key="warmup", stream=False)
         response = await self.llm.complete(request)
         self.warmed_prompts.append(messages)
+        self.estimator.observe(messages, response.usage.prompt_tokens)
         return response.usage.prompt_tokens  # vLLM counted the prompt it just cached: no second /tokenize

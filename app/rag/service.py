@@ -7,10 +7,10 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from app.errors import BadRequest, UpstreamUnavailable
+from app.errors import BadRequest, ContextTooLong, UpstreamUnavailable
 from app.llm import Completion, Delta, LLMClient
 from app.metrics import ServiceMetrics
-from app.rag.budget import OverBudget, fit_to_budget
+from app.rag.budget import OverBudget, TokenEstimator, fit_to_budget
 from app.rag.context import ContextChunk, PromptBuilder
 from app.rag.lru import AsyncLRU
 from app.rag.planner import ContextPlanner
@@ -78,7 +78,8 @@ class RAGService:
                  upstream: Upstream, metrics: ServiceMetrics) -> None:
         self.settings, self.retriever, self.llm, self.builder = settings, retriever, llm, builder
         self.upstream, self.metrics = upstream, metrics
-        self.planner = ContextPlanner(settings, retriever, builder, llm, retriever.chroma.collection)
+        self.estimator = TokenEstimator()
+        self.planner = ContextPlanner(settings, retriever, builder, llm, retriever.chroma.collection, self.estimator)
         upstream.warm = self.warm
         self._retrievals: AsyncLRU[list[ContextChunk]] = AsyncLRU(RETRIEVAL_CACHE_SIZE)
 
@@ -121,12 +122,23 @@ class RAGService:
         budget = self._budget(info.max_model_len, max_tokens)
         arranged = await self.planner.arrange(ranked, budget)
         strategy = self.planner.strategy_for(arranged)
-        messages, kept, _ = await fit_to_budget(
-            lambda chunks: self.builder.messages(chunks, question), self.llm, arranged, budget, self._chunk_chars)
+
+        async def fit(estimator: TokenEstimator | None) -> tuple[list[dict], list[ContextChunk], int]:
+            return await fit_to_budget(lambda chunks: self.builder.messages(chunks, question), self.llm, arranged,
+                                       budget, self._chunk_chars, estimator)
+
+        messages, kept, _ = await fit(self.estimator)
         self.planner.served(kept)
         clock.mark("assemble")
-        async for event in self._generate(messages, kept, max_tokens, query.temperature, clock, strategy):
-            yield event
+        try:
+            async for event in self._generate(messages, kept, max_tokens, query.temperature, clock, strategy):
+                yield event
+        except ContextTooLong:
+            # The estimate let through a prompt vLLM would not take (vLLM refuses before any token streams):
+            # count exactly, trim, and send once more.
+            messages, kept, _ = await fit(None)
+            async for event in self._generate(messages, kept, max_tokens, query.temperature, clock, strategy):
+                yield event
 
     async def _chat_stream(self, chat: ChatQuery) -> AsyncIterator[Delta | Answer]:
         questions = [turn.content for turn in chat.turns if turn.role == "user"]
@@ -175,6 +187,7 @@ class RAGService:
             first_token = first_token or time.perf_counter()
             yield delta
         done = time.perf_counter()
+        self.estimator.observe(messages, completion.prompt_tokens)
         ttft = (first_token or done) - clock.started
         self.metrics.observe_answer(strategy, completion.prompt_tokens, completion.cached_tokens, ttft)
         # Most relevant first (ranks can be shared: a unit or the corpus carries one rank for all its chunks).
