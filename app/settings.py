@@ -97,7 +97,10 @@ class GenerationSettings(BaseModel):
     max_question_chars: int = Field(4000, ge=1, description="Longest accepted question, in characters.")
     strategy: Literal["canonical", "document", "reuse", "corpus", "auto"] = Field(
         "auto", description="How retrieved context becomes the prompt (see README: strategies).")
-    max_units: int = Field(1, ge=1, description="document strategy: whole units per prompt (more units, more misses).")
+    max_units: int | None = Field(None, ge=1, description="document strategy: cap on units per prompt (None: no cap).")
+    unit_quorum: float = Field(
+        0.5, ge=0, le=1, description="document strategy: a unit bigger than the plain top-k that holds this share "
+        "of the hits comes alone (hits outside it would be uncached text after a long prefix); 1: never drop a hit.")
     max_unit_tokens: int = Field(12288, ge=128, description="document strategy: a bigger parent is cut into aligned windows.")
     warm_kv_share: float = Field(0.5, gt=0, le=1, description="Share of vLLM's KV cache that unit pre-warm may fill.")
     warm_concurrency: int = Field(2, ge=1, description="Pre-warm requests in flight (background, bounded).")

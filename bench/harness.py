@@ -15,7 +15,7 @@ from app.rag.prompts import PromptTemplates
 from app.rag.retriever import Retriever
 from app.rag.service import RAGService
 from app.rag.upstream import Upstream
-from app.settings import Settings
+from app.settings import GenerationSettings, Settings
 from bench.ceiling import BlockCacheCeiling
 from bench.modes import Record, run_naive, run_prefixrag
 from bench.stats import summarise
@@ -51,9 +51,14 @@ class Harness:
         await self.llm.aclose()
         self.executor.shutdown()
 
-    def service(self, strategy: str) -> RAGService:
-        generation = self.settings.generation.model_copy(update={
-            "strategy": strategy, "top_k": self.args.top_k, "max_tokens": self.args.max_tokens, "hotness_dir": None})
+    def service(self, mode: str) -> RAGService:
+        """``mode`` is a strategy name, or ``prefixrag`` (the service default), optionally with generation
+        settings after colons: ``document:max_extra_hits=0``."""
+        name, *overrides = mode.split(":")
+        strategy = self.settings.generation.strategy if name == "prefixrag" else name
+        values = self.settings.generation.model_dump() | dict(o.split("=", 1) for o in overrides) | {
+            "strategy": strategy, "top_k": self.args.top_k, "max_tokens": self.args.max_tokens, "hotness_dir": None}
+        generation = GenerationSettings.model_validate(values)
         return RAGService(generation, self.retriever, self.llm, PromptBuilder(self.templates), self.upstream,
                           ServiceMetrics())
 
@@ -63,11 +68,10 @@ class Harness:
         if mode == "naive-matched":
             k = await self._matched_k(stream, earlier)
         elif mode != "naive":
-            strategy = self.settings.generation.strategy if mode == "prefixrag" else mode
-            service = self.service(strategy)
+            service = self.service(mode)
             started = time.perf_counter()
             await service.warm()
-            if mode == "corpus" and not service.planner.corpus.fits:
+            if service.planner.name == "corpus" and not service.planner.corpus.fits:
                 await service.planner.close()
                 return {"mode": mode, "skipped": "the corpus does not fit the context window",
                         "corpus_tokens": service.planner.progress.get("corpus_tokens")}

@@ -33,7 +33,8 @@ def parse_args(argv):
     where.add_argument("--start-vllm", action="store_true", help="start the CPU test model server here")
     p.add_argument("--max-model-len", type=int, default=32768, help="with --start-vllm")
     p.add_argument("--modes", default=DEFAULT_MODES,
-                   help="comma list: naive, naive-matched, prefixrag (= service default), or a strategy name")
+                   help="comma list: naive, naive-matched, prefixrag (= service default), or a strategy name; "
+                        "generation settings may follow a strategy: document:max_extra_hits=0")
     p.add_argument("--chroma-path", type=Path, help="keep the bench collection here (default: a fresh temp dir)")
     p.add_argument("--dump-prompts", type=Path, help="write each mode's prompt token ids here (for bench.replay)")
     p.add_argument("--out", type=Path, required=True, help="JSON result; a PNG plot is written beside it")
@@ -84,26 +85,17 @@ class _vllm:
     """Use --vllm-url, or start the CPU test model server (dev mode) for the run and stop it after."""
 
     def __init__(self, args, tmp: Path) -> None:
-        self.args, self.tmp, self.process = args, tmp, None
+        from app.vllm_process import LocalVLLM
+
+        self.url = args.vllm_url
+        self.local = None if self.url else LocalVLLM(tmp / "vllm.log", args.max_model_len)
 
     def __enter__(self) -> str:
-        if self.args.vllm_url:
-            return self.args.vllm_url
-        from tests.conftest import free_port, wait_for_http
-        from tests.servers import start_vllm
-
-        port = free_port()
-        self.process = start_vllm(port, self.tmp / "vllm.log", self.args.max_model_len)
-        wait_for_http(f"http://127.0.0.1:{port}/v1/models", 900, self.process)
-        return f"http://127.0.0.1:{port}/v1"
+        return self.url or self.local.__enter__()
 
     def __exit__(self, *exc) -> None:
-        if self.process is not None:
-            import os
-            import signal
-
-            os.killpg(self.process.pid, signal.SIGTERM)
-            self.process.wait(60)
+        if self.local is not None:
+            self.local.__exit__(*exc)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ def summarise(records, questions, hits: float, queries: float, wall_s: float, ce
     ok = [r for r in records if r.error is None]
     answerable = [(r, q) for r, q in zip(records, questions) if q.gold and r.error is None]
     recall = sum(bool(r.doc_ids & q.gold) for r, q in answerable) / len(answerable) if answerable else None
-    mean = lambda xs: round(statistics.fmean(xs), 1) if xs else 0.0  # noqa: E731
+    mean = lambda xs: round(statistics.fmean(xs), 1) if xs else 0.0
     return {
         "questions": len(records), "errors": len(records) - len(ok),
         "hit_rate": round(hits / queries, 4) if queries else 0.0, "hits": hits, "queries": queries,

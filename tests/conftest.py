@@ -4,10 +4,8 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -17,26 +15,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("ANONYMIZED_TELEMETRY", "False")
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def wait_for_http(url: str, timeout: float, process: subprocess.Popen | None = None) -> None:
-    import httpx
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process is not None and process.poll() is not None:
-            raise RuntimeError(f"process for {url} exited with {process.returncode}")
-        try:
-            if httpx.get(url, timeout=2).status_code < 500:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise TimeoutError(f"{url} not up after {timeout}s")
+from app.vllm_process import LocalVLLM, free_port, wait_for_http
 
 
 @pytest.fixture(scope="session")
@@ -86,21 +65,5 @@ def run_cli(*args: str, env: dict | None = None, timeout: float = 600) -> subpro
 @pytest.fixture(scope="session")
 def vllm_url(tmp_path_factory):
     """A real vLLM CPU server (dummy-weight test model, prefix caching on), once per test session."""
-    from tests.servers import start_vllm
-
-    port = free_port()
-    log = tmp_path_factory.mktemp("vllm") / "vllm.log"
-    process = start_vllm(port, log)
-    try:
-        wait_for_http(f"http://127.0.0.1:{port}/v1/models", 600, process)
-    except Exception:
-        print(log.read_text()[-5000:])
-        raise
-    yield f"http://127.0.0.1:{port}/v1"
-    import signal
-
-    os.killpg(process.pid, signal.SIGTERM)
-    try:
-        process.wait(30)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
+    with LocalVLLM(tmp_path_factory.mktemp("vllm") / "vllm.log", max_model_len=4096, startup_timeout_s=600) as url:
+        yield url

@@ -5,26 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
-import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import uvicorn
 
-from tests.conftest import ROOT, free_port, wait_for_http
-
-
-def start_vllm(port: int, log_path: Path, max_model_len: int = 4096) -> subprocess.Popen:
-    log = open(log_path, "w")
-    return subprocess.Popen(
-        [sys.executable, "-m", "app.vllm_server", "--test-model", "--dev-mode", "--port", str(port),
-         "--max-model-len", str(max_model_len)],
-        cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=os.environ | {"PYTHONUNBUFFERED": "1"},
-        start_new_session=True)
+from tests.conftest import free_port, wait_for_http
 
 
 def reset_prefix_cache(vllm_url: str) -> None:

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-import time
 import json
+import time
 
 import httpx
 import pytest
@@ -75,9 +75,9 @@ def test_same_selection_gives_the_same_prompt_and_the_budget_holds(articles_db, 
     from concurrent.futures import ThreadPoolExecutor
 
     from app.llm import LLMClient
+    from app.rag.budget import TokenEstimator
     from app.rag.context import PromptBuilder
     from app.rag.planner import ContextPlanner
-    from app.rag.budget import TokenEstimator
     from app.rag.prompts import PromptTemplates
     from app.rag.retriever import Retriever
     from app.rag.upstream import Upstream
@@ -110,6 +110,38 @@ def test_same_selection_gives_the_same_prompt_and_the_budget_holds(articles_db, 
     assert big.json()["usage"]["prompt_tokens"] + max_tokens <= window
     if strategy == "corpus":  # the corpus cannot fit beside this answer budget: canonical, not an empty prompt
         assert big.json()["strategy"] == "canonical" and big.json()["sources"]
+
+
+def test_a_big_unit_holding_most_hits_comes_alone_else_the_hits_come_along(articles_db, embedder):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from app.rag.retriever import Retriever
+    from app.rag.strategies import Document
+    from app.rag.units import UnitIndex
+
+    settings = app_settings(articles_db, "http://unused/v1", collection="articles")
+    retriever = Retriever(embedder, settings.chroma, ThreadPoolExecutor(1))
+    mixed = "What happened in 1853 and 1993?"  # retrieves from both articles, mostly the glacier
+
+    async def arranged(question, top_k, quorum=0.5):
+        strategy = Document(UnitIndex(retriever, 12288), Hotness(None), quorum=quorum)
+        ranked = await retriever.retrieve(question, top_k)
+        return ranked, await strategy.arrange(ranked, 100_000)
+
+    # 3 hits are smaller than one 8-sentence article: it is "big", holds the hits, and comes alone, whole.
+    ranked, context = asyncio.run(arranged("When was the quay extended to hold 12 boats?", 3))
+    assert [c.unit for c in context] == ["Harbour"] * 8 and {c.id for c in ranked} <= {c.id for c in context}
+    # 16 hits outweigh an article: units are small here, so the other article comes along as a unit.
+    ranked, context = asyncio.run(arranged("When was the quay extended to hold 12 boats?", 16))
+    assert sorted({c.unit for c in context}) == ["Glacier", "Harbour"] and len(context) == 16
+    # Hits spread over both articles, and the top unit short of the quorum: the other hits come along, alone.
+    ranked, context = asyncio.run(arranged(mixed, 4, quorum=1.0))
+    top = ranked[0].doc_id.split("#")[0]
+    outside = [c.id for c in ranked if not c.doc_id.startswith(top)]
+    assert outside, "the question must retrieve from both articles"
+    assert {c.id for c in ranked} <= {c.id for c in context}
+    assert [c.unit for c in context] == [top] * 8 + [""] * len(outside)
+    assert asyncio.run(arranged(mixed, 4))[1] == context[:8]  # holding 3 of 4 hits, the unit comes alone
 
 
 @pytest.mark.vllm

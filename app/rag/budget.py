@@ -11,9 +11,8 @@ if vLLM still refuses one (an estimate can be wrong), the service counts it exac
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import threading
+from collections.abc import Callable
 
 from app.errors import ContextTooLong
 from app.rag.context import ContextChunk

@@ -28,7 +28,8 @@ class ContextPlanner:
         self.units = UnitIndex(retriever, settings.max_unit_tokens)
         self.corpus = Corpus(retriever)
         self.strategies = {"canonical": Canonical(), "reuse": Reuse(ServedTrie()), "corpus": self.corpus,
-                           "document": Document(self.units, self.hotness, settings.max_units)}
+                           "document": Document(self.units, self.hotness, settings.max_units,
+                                                       settings.unit_quorum)}
         self.active = self.strategies["document" if settings.strategy == "auto" else settings.strategy]
         self._background: asyncio.Task | None = None
         self.progress: dict = {}

@@ -12,13 +12,12 @@ from app.llm import Completion, Delta, LLMClient
 from app.metrics import ServiceMetrics
 from app.rag.budget import OverBudget, TokenEstimator, fit_to_budget
 from app.rag.context import ContextChunk, PromptBuilder
+from app.rag.conversation import Turn, conversation_messages, new_context_per_turn
 from app.rag.lru import AsyncLRU
 from app.rag.planner import ContextPlanner
-from app.rag.conversation import Turn, conversation_messages, new_context_per_turn
 from app.rag.retriever import Retriever
 from app.rag.upstream import Upstream, WarmupStatus
 from app.settings import GenerationSettings
-
 
 STRATEGY = "canonical"  # chat turns: each turn's new context in canonical order (see conversation.py)
 RETRIEVAL_CACHE_SIZE = 1024

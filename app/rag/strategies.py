@@ -2,8 +2,9 @@
 a prefix vLLM already holds. Each is a setting (RAG_GENERATION__STRATEGY) and a benchmark mode.
 
 - canonical: the top-k chunks sorted by stable id. Identical sets share a prefix; in a shuffled stream rare.
-- document: the top hit's stable unit (its whole parent document, or an aligned window of it) first, hot units
-  ahead of cold ones, then the remaining hits canonically. The unit is shared by every question about it.
+- document: the top hit's stable unit (its whole parent document, or an aligned window of it), alone when it is
+  big and holds most hits, else with the other hits (small units bring theirs), hot units first. The unit is
+  shared by every question about it.
 - reuse: the top-k set ordered along the longest path already served (bounded trie), the rest canonically.
 - corpus: the whole collection, parent document by parent document, as one fixed prefix, when it fits the window.
 - auto: corpus when it fits, else document.
@@ -16,7 +17,7 @@ from dataclasses import replace
 
 from app.rag.context import ContextChunk, canonical
 from app.rag.trie import ServedTrie
-from app.rag.units import Hotness, UnitIndex, as_unit
+from app.rag.units import Hotness, UnitIndex, as_unit, estimate_tokens
 
 log = logging.getLogger("prefixrag.strategies")
 QUESTION_HEADROOM_TOKENS = 256  # room kept for the question when deciding whether the corpus fits
@@ -33,26 +34,44 @@ class Canonical:
 
 
 class Document(Canonical):
+    """The top hit's unit first. A unit bigger than the plain top-k that holds at least ``quorum`` of the hits
+    comes alone: retrieval agrees the answer lives there, and any hit outside it would be uncached text after a
+    long prefix. Otherwise every hit comes along (recall never below plain top-k): as its own unit while the
+    units stay within the top-k's size (small units: abstracts, short files), else as a single chunk."""
+
     name = "document"
 
-    def __init__(self, units: UnitIndex, hotness: Hotness, max_units: int = 1) -> None:
-        self.units, self.hotness, self.max_units = units, hotness, max_units
+    def __init__(self, units: UnitIndex, hotness: Hotness, max_units: int | None = None, quorum: float = 0.5,
+                 ) -> None:
+        self.units, self.hotness, self.max_units, self.quorum = units, hotness, max_units, quorum
 
     async def arrange(self, ranked: list[ContextChunk], budget: int) -> list[ContextChunk]:
+        if not ranked:
+            return []
         hits = {c.id: c for c in ranked}
-        units: dict[str, list[ContextChunk]] = {}
-        for hit in ranked:  # best-ranked first
-            if len(units) == self.max_units:
-                break
+        key, chunks = await self.units.unit_for(ranked[0])
+        units, inside = {key: as_unit(chunks, ranked[0].rank, hits)}, {c.id for c in chunks}
+        room = estimate_tokens(ranked) - estimate_tokens(chunks)
+        if room <= 0 and sum(c.id in inside for c in ranked) >= self.quorum * len(ranked):
+            return self._in_order(units, [])
+        extras = []
+        for hit in ranked[1:]:  # best-ranked first
+            if hit.id in inside:
+                continue
             key, chunks = await self.units.unit_for(hit)
-            if key not in units and not any(hit.id in {c.id for c in u} for u in units.values()):
+            if key not in units and len(units) != self.max_units and estimate_tokens(chunks) <= room:
                 units[key] = as_unit(chunks, hit.rank, hits)
+                inside |= {c.id for c in chunks}
+                room -= estimate_tokens(chunks)
+            else:
+                extras.append(hit)
+        return self._in_order(units, [c for c in extras if c.id not in inside])
+
+    def _in_order(self, units: dict[str, list[ContextChunk]], extras: list[ContextChunk]) -> list[ContextChunk]:
         # Hot units first: the most shared unit is always at the very front of the prompt.
         order = sorted(units, key=lambda key: (-self.hotness.score(key), key))
         self.hotness.use(order)
-        inside = {c.id for unit in units.values() for c in unit}
-        rest = canonical([c for c in ranked if c.id not in inside])
-        return [c for key in order for c in units[key]] + rest
+        return [c for key in order for c in units[key]] + canonical(extras)
 
 
 class Reuse(Canonical):

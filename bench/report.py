@@ -1,0 +1,55 @@
+"""``python -m bench.report RESULT.json...``: the README's markdown table for each benchmark result file, with
+the exact command that produced it (rebuilt from the file's recorded config)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+from pathlib import Path
+
+COLUMNS = ("mode", "k", "hit rate", "ceiling", "mean prompt tok", "mean uncached tok", "TTFT p50 ms", "p95 ms",
+           "e2e p50 ms", "overhead p50 ms", "q/s", "recall", "warm-up s")
+
+
+def command(config: dict) -> str:
+    argv = ["python", "-m", "bench.prefix_cache"]
+    for key in ("data", "questions", "concurrency", "top_k", "seed", "max_tokens", "modes"):
+        argv += [f"--{key.replace('_', '-')}", str(config[key])]
+    argv += ["--start-vllm", "--max-model-len", str(config["max_model_len"])] if config.get("start_vllm") else \
+        ["--vllm-url", "URL"]
+    return shlex.join(argv + ["--out", config["out"]])
+
+
+def row(r: dict) -> str:
+    recall = f"{r['recall']:.3f}" if r.get("recall") is not None else "–"
+    cells = [f"`{r['mode']}`" + (f" ({r['strategy']})" if r["mode"] in ("auto", "prefixrag") else ""), r["k"],
+             f"{r['hit_rate']:.3f}", f"{r['ceiling']:.3f}", f"{r['mean_prompt_tokens']:.0f}",
+             f"{r['mean_uncached_prompt_tokens']:.0f}", f"{r['ttft_ms']['p50']:.0f}", f"{r['ttft_ms']['p95']:.0f}",
+             f"{r['e2e_ms']['p50']:.0f}", f"{r['overhead_ms']['p50']:.0f}", f"{r['throughput_qps']:.2f}", recall,
+             f"{r['warmup_s']:.1f}"]
+    return "| " + " | ".join(map(str, cells)) + " |"
+
+
+def report(path: Path) -> str:
+    data = json.loads(path.read_text())
+    config = data["config"]
+    lines = [f"**{data['dataset']}, {len(data['question_ids'])} shuffled questions, concurrency "
+             f"{config['concurrency']}, top-k {config['top_k']}** — `{command(config)}`", "",
+             "| " + " | ".join(COLUMNS) + " |", "| --- |" + " ---: |" * (len(COLUMNS) - 1)]
+    lines += [row(r) for r in data["results"]]
+    for skipped in data.get("skipped", []):
+        lines += ["", f"`{skipped['mode']}` skipped: {skipped['skipped']} ({skipped.get('corpus_tokens')} tokens)."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.report", description=__doc__)
+    parser.add_argument("results", nargs="+", type=Path)
+    args = parser.parse_args(argv)
+    print("\n\n".join(report(path) for path in args.results))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
