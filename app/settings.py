@@ -99,8 +99,8 @@ class GenerationSettings(BaseModel):
         "auto", description="How retrieved context becomes the prompt (see README: strategies).")
     max_units: int | None = Field(None, ge=1, description="document strategy: cap on units per prompt (None: no cap).")
     unit_quorum: float = Field(
-        0.5, ge=0, le=1, description="document strategy: a unit bigger than the plain top-k that holds this share "
-        "of the hits comes alone (hits outside it would be uncached text after a long prefix); 1: never drop a hit.")
+        0.5, ge=0, le=1, description="document strategy: a unit bigger than the plain top-k is the context when it "
+        "holds this share of the hits, else the plain top-k is (hits after a long unit would be uncached text).")
     max_unit_tokens: int = Field(12288, ge=128, description="document strategy: a bigger parent is cut into aligned windows.")
     warm_kv_share: float = Field(0.5, gt=0, le=1, description="Share of vLLM's KV cache that unit pre-warm may fill.")
     warm_concurrency: int = Field(2, ge=1, description="Pre-warm requests in flight (background, bounded).")

@@ -18,6 +18,8 @@ def command(config: dict) -> str:
         argv += [f"--{key.replace('_', '-')}", str(config[key])]
     argv += ["--start-vllm", "--max-model-len", str(config["max_model_len"])] if config.get("start_vllm") else \
         ["--vllm-url", "URL"]
+    if config.get("chroma_path"):  # a reused collection (ingest skips unchanged files): same results, less time
+        argv += ["--chroma-path", config["chroma_path"]]
     return shlex.join(argv + ["--out", config["out"]])
 
 

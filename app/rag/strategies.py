@@ -2,9 +2,9 @@
 a prefix vLLM already holds. Each is a setting (RAG_GENERATION__STRATEGY) and a benchmark mode.
 
 - canonical: the top-k chunks sorted by stable id. Identical sets share a prefix; in a shuffled stream rare.
-- document: the top hit's stable unit (its whole parent document, or an aligned window of it), alone when it is
-  big and holds most hits, else with the other hits (small units bring theirs), hot units first. The unit is
-  shared by every question about it.
+- document: the top hit's stable unit (its whole parent document, or an aligned window of it) when it holds most
+  hits, else the plain top-k; small units come several to a prompt, hot units first. A unit is shared by every
+  question about it.
 - reuse: the top-k set ordered along the longest path already served (bounded trie), the rest canonically.
 - corpus: the whole collection, parent document by parent document, as one fixed prefix, when it fits the window.
 - auto: corpus when it fits, else document.
@@ -34,10 +34,11 @@ class Canonical:
 
 
 class Document(Canonical):
-    """The top hit's unit first. A unit bigger than the plain top-k that holds at least ``quorum`` of the hits
-    comes alone: retrieval agrees the answer lives there, and any hit outside it would be uncached text after a
-    long prefix. Otherwise every hit comes along (recall never below plain top-k): as its own unit while the
-    units stay within the top-k's size (small units: abstracts, short files), else as a single chunk."""
+    """A unit bigger than the plain top-k (an article) is the whole context when it holds at least ``quorum`` of
+    the hits: retrieval agrees the answer lives there, and it is cached. When the hits are scattered there is no
+    unit to bet on, and hits appended after a long unit would be uncached text on top of it: the plain top-k
+    (canonical) it is. Units smaller than the top-k (abstracts, short files) come several to a prompt: each hit's
+    unit while they stay within the top-k's size, else the hit itself, so no hit is ever dropped."""
 
     name = "document"
 
@@ -52,8 +53,9 @@ class Document(Canonical):
         key, chunks = await self.units.unit_for(ranked[0])
         units, inside = {key: as_unit(chunks, ranked[0].rank, hits)}, {c.id for c in chunks}
         room = estimate_tokens(ranked) - estimate_tokens(chunks)
-        if room <= 0 and sum(c.id in inside for c in ranked) >= self.quorum * len(ranked):
-            return self._in_order(units, [])
+        if room <= 0:
+            held = sum(c.id in inside for c in ranked)
+            return self._in_order(units, []) if held >= self.quorum * len(ranked) else canonical(ranked)
         extras = []
         for hit in ranked[1:]:  # best-ranked first
             if hit.id in inside:
