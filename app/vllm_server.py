@@ -44,6 +44,10 @@ def resolve_model(cfg: VLLMServerSettings) -> tuple[str, str, list[str]]:
 
 def build_command(cfg: VLLMServerSettings, gpu: bool) -> tuple[list[str], dict[str, str]]:
     model, served_name, model_flags = resolve_model(cfg)
+    # No phoning home; and a model we wrote to a local folder must never make vLLM reach for the Hub.
+    quiet = {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+    if cfg.test_model or cfg.model == "smollm2":
+        quiet |= {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     argv = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
         "--model", model, "--served-model-name", served_name, "--host", cfg.host, "--port", str(cfg.port),
@@ -57,7 +61,7 @@ def build_command(cfg: VLLMServerSettings, gpu: bool) -> tuple[list[str], dict[s
         argv += ["--quantization", cfg.quantization]
     if cfg.enforce_eager:
         argv += ["--enforce-eager"]
-    env = {"VLLM_SERVER_DEV_MODE": "1"} if cfg.dev_mode else {}
+    env = quiet | ({"VLLM_SERVER_DEV_MODE": "1"} if cfg.dev_mode else {})
     if gpu:
         argv += ["--gpu-memory-utilization", str(cfg.gpu_memory_utilization),
                  "--tensor-parallel-size", str(cfg.tensor_parallel_size)]
