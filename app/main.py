@@ -42,14 +42,17 @@ def create_app(settings: Settings | None = None, *, embedder=None) -> FastAPI:
         app.state.service = RAGService(settings.generation, retriever, llm, PromptBuilder(templates), upstream,
                                        metrics)
         monitor = asyncio.create_task(upstream.run_forever(), name="vllm-monitor")
+        watcher = asyncio.create_task(app.state.service.watch_collection(settings.chroma.poll_s),
+                                      name="collection-watcher")
         log.info("prefixrag serving collection %r from %s; vLLM at %s", settings.chroma.collection,
                  settings.chroma.url or settings.chroma.path, settings.vllm.url)
         try:
             yield
         finally:
-            monitor.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await monitor
+            for task in (monitor, watcher):
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
             await app.state.service.planner.close()
             await llm.aclose()
             executor.shutdown(wait=False, cancel_futures=True)

@@ -24,6 +24,9 @@ class ServiceMetrics:
         self.hit_rate = Gauge("prefixrag_prefix_cache_hit_rate", "cached_tokens / prompt_tokens since start.",
                               ["strategy"], registry=r)
         self.upstream_ready = Gauge("prefixrag_upstream_ready", "1 when vLLM is reachable and warm.", registry=r)
+        self.collection_reloads = Counter("prefixrag_collection_reloads_total",
+                                          "Times an ingest changed the collection and the service reloaded it.",
+                                          registry=r)
         self.warmup_tokens = Gauge("prefixrag_warmup_tokens", "Prompt tokens pre-warmed in vLLM's cache.",
                                    registry=r)
         self._totals: dict[str, list[int]] = {}

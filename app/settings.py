@@ -20,6 +20,8 @@ class ChromaSettings(BaseModel):
     path: Path = Field(Path("./data/chroma"), description="On-disk Chroma directory (embedded mode).")
     url: str | None = Field(None, description="Chroma server URL (e.g. http://127.0.0.1:8001); wins over path.")
     collection: str = Field("docs", min_length=3, max_length=512, description="Collection name (3-512 chars).")
+    poll_s: float = Field(5.0, gt=0, description="How often the service checks whether an ingest changed the "
+                          "collection (then it reloads it, drops cached units and re-warms).")
 
     @field_validator("url")
     @classmethod

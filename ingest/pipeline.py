@@ -21,7 +21,14 @@ from ingest.chunking import Chunk, Chunker
 from ingest.documents import LoadError, SourceDocument, sha256
 from ingest.loaders import is_supported, load_file
 from ingest.report import IngestReport, Progress
-from ingest.store import CollectionMissing, StoredDocument, open_collection, stored_documents, write_lock
+from ingest.store import (
+    CollectionMissing,
+    StoredDocument,
+    mark_changed,
+    open_collection,
+    stored_documents,
+    write_lock,
+)
 from ingest.writer import ChunkWriter
 
 
@@ -116,27 +123,39 @@ def run_ingest(roots: list[Path], settings: Settings, embedder, *, prune: bool =
             return plan(load(path, rel, settings, identity, by_source), stored, chunker, identity)
 
         writer = ChunkWriter(collection, embedder, settings.ingest.write_batch, dry_run, report)
-        seen_docs: set[str] = set()
-        loaded_sources: set[str] = set()
-        with progress.files(len(files)) as advance:
-            # Files are loaded and chunked a few ahead on a worker thread while this one embeds and writes.
-            for result in prefetched(files, prepare, depth=settings.ingest.prefetch_files):
-                if result.skipped_unchanged:
-                    seen_docs.update(ids_by_source[result.rel])
-                    report.files_unchanged += 1
-                else:
-                    _ingest_file(result, stored, writer, report, seen_docs)
-                if result.error is None:
-                    loaded_sources.add(result.rel)
-                advance(result.rel, report.chunks_written)
-        writer.flush()
-        stale = [doc for doc, entry in stored.items() if doc not in seen_docs
-                 and (entry.source in loaded_sources or (prune and entry.source not in _failed(report)))]
-        writer.delete_documents({doc: stored[doc].ids for doc in stale})
-        report.documents_removed = len(stale)
-        report.files_removed = len({stored[doc].source for doc in stale} - loaded_sources)
+        try:
+            _write_and_prune(files, prepare, stored, ids_by_source, writer, report, settings, prune, progress)
+        finally:
+            if report.writes and not dry_run:  # also after a failure: a half-written change is a change
+                mark_changed(collection)
     report.seconds = round(time.perf_counter() - started, 3)
     return report
+
+
+def _write_and_prune(files, prepare, stored: dict[str, StoredDocument], ids_by_source: dict[str, list[str]],
+                     writer: ChunkWriter, report: IngestReport, settings: Settings, prune: bool,
+                     progress: Progress) -> None:
+    """Ingest every file, then delete what is stale: documents no longer in a file that loaded (or, with
+    ``prune``, in no file at all)."""
+    seen_docs: set[str] = set()
+    loaded_sources: set[str] = set()
+    with progress.files(len(files)) as advance:
+        # Files are loaded and chunked a few ahead on a worker thread while this one embeds and writes.
+        for result in prefetched(files, prepare, depth=settings.ingest.prefetch_files):
+            if result.skipped_unchanged:
+                seen_docs.update(ids_by_source[result.rel])
+                report.files_unchanged += 1
+            else:
+                _ingest_file(result, stored, writer, report, seen_docs)
+            if result.error is None:
+                loaded_sources.add(result.rel)
+            advance(result.rel, report.chunks_written)
+    writer.flush()
+    stale = [doc for doc, entry in stored.items() if doc not in seen_docs
+             and (entry.source in loaded_sources or (prune and entry.source not in _failed(report)))]
+    writer.delete_documents({doc: stored[doc].ids for doc in stale})
+    report.documents_removed = len(stale)
+    report.files_removed = len({stored[doc].source for doc in stale} - loaded_sources)
 
 
 def _open_for(settings: Settings, embedder, dry_run: bool):

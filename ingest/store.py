@@ -1,12 +1,14 @@
 """Chroma access shared by ingest (writes) and the app (reads): one way to open a collection.
 
 Embeddings are always passed explicitly (``embedding_function=None``): Chroma's default one would try to
-download a model. The collection records which encoder filled it, so a mismatched reader fails fast.
+download a model. The collection records which encoder filled it, so a mismatched reader fails fast, and a
+generation stamp that every ingest which changed something renews, so running services notice and reload.
 """
 
 from __future__ import annotations
 
 import os
+import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +18,7 @@ from app.settings import ChromaSettings
 
 os.environ.setdefault("ANONYMIZED_TELEMETRY", "False")
 PAGE = 2000  # rows per paginated get: keeps memory flat on large collections
+GENERATION_KEY = "prefixrag_generation"  # collection metadata: renewed by every ingest that changed something
 
 
 class StoreError(Exception):
@@ -69,6 +72,31 @@ def open_collection(cfg: ChromaSettings, embedder_name: str, dimension: int, cre
         raise StoreError(f"collection {cfg.collection!r} was embedded with {stored!r}, not {embedder_name!r}: "
                          "use the same embedding model or another collection")
     return collection
+
+
+def mark_changed(collection) -> None:
+    """Renew the collection's generation stamp (under the write lock): services drop what they cached of it."""
+    collection.modify(metadata={**(collection.metadata or {}), GENERATION_KEY: uuid.uuid4().hex})
+
+
+def read_generation(cfg: ChromaSettings) -> str | None:
+    """The collection's generation as stored now (a fresh read, not a cached object); None while it is missing."""
+    try:
+        metadata = open_client(cfg).get_collection(cfg.collection, embedding_function=None).metadata
+    except Exception as exc:
+        if "does not exist" in str(exc):
+            return None
+        raise StoreError(f"collection {cfg.collection!r} unavailable: {exc}") from exc
+    return (metadata or {}).get(GENERATION_KEY, "")
+
+
+def forget_clients() -> None:
+    """Drop Chroma's in-process state, so the next open reloads from disk: an embedded client's vector index
+    does not see what another process wrote (its queries miss new chunks) until it is reopened. Collections
+    already open keep working on the old state, so requests in flight are not disturbed."""
+    from chromadb.api.shared_system_client import SharedSystemClient
+
+    SharedSystemClient.clear_system_cache()
 
 
 @dataclass

@@ -41,6 +41,16 @@ class AppServer:
             time.sleep(0.2)
         raise TimeoutError(f"app not ready: {response.json()}")
 
+    def wait_warmed(self, units: int, timeout: float = 60) -> dict:
+        """Wait until background pre-warm reports ``units`` units (or the corpus) warmed; return /readyz."""
+        deadline = time.monotonic() + timeout
+        while (status := httpx.get(self.url + "/readyz", timeout=5).json())["warmup"]["detail"].get(
+                "units_warmed", 0) < units:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"pre-warm did not reach {units} units: {status}")
+            time.sleep(0.2)
+        return status
+
     def __exit__(self, *exc) -> None:
         self.server.should_exit = True
         self.thread.join(30)

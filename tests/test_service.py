@@ -147,6 +147,34 @@ def test_a_wrong_token_estimate_is_caught_by_vllm_and_the_prompt_refitted(collec
     assert 0 < len(body["sources"]) < 24, "the refit must have dropped the lowest-ranked chunks"
 
 
+def test_an_ingest_while_serving_is_picked_up_without_a_restart(tmp_path, vllm_url, embedder):
+    from tests.conftest import run_cli
+
+    docs, chroma = tmp_path / "docs", tmp_path / "chroma"
+    docs.mkdir()
+    (docs / "anchors.md").write_text(FACTS["anchors.md"] + "\n")
+    settings = app_settings(chroma, vllm_url, collection="live", strategy="document")
+    settings.chroma.poll_s = 0.2
+    run_ingest([docs], settings, embedder)
+    question = {"question": "Why do tides rise and fall twice a day?", "top_k": 1}
+    with AppServer(create_app(settings, embedder=embedder)) as server:
+        server.wait_ready()
+        before = ask(server, **question).json()
+        # An operator ingests a new file from another process while the service runs: embedded Chroma only
+        # sees that process's vectors once reopened, and the document strategy's cached units must go too.
+        (docs / "tides.md").write_text(FACTS["tides.md"] + "\n")
+        result = run_cli(str(docs), "--chroma-path", str(chroma), "--collection", "live")
+        assert result.returncode == 0, result.stderr
+        deadline = time.monotonic() + 30
+        while "prefixrag_collection_reloads_total 1.0" not in httpx.get(server.url + "/metrics").text:
+            assert time.monotonic() < deadline, "the service did not notice the ingest"
+            time.sleep(0.2)
+        after = ask(server, **question).json()
+    assert [s["document"] for s in before["sources"]] == ["anchors.md"]
+    assert [s["document"] for s in after["sources"]] == ["tides.md"]
+    assert after["strategy"] == "document"
+
+
 def test_vllm_down_gives_503_then_recovers_without_restart(collections, vllm_url, embedder):
     vllm_port = int(vllm_url.rsplit(":", 1)[1].split("/")[0])
     proxy = TcpProxy(vllm_port)

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
-import time
 
 import httpx
 import pytest
@@ -67,6 +67,16 @@ def strategy_app(articles_db, vllm_url, embedder, strategy, **generation):
     settings = app_settings(articles_db, vllm_url, collection="articles", strategy=strategy, hotness_dir=None,
                             **generation)
     return AppServer(create_app(settings, embedder=embedder))
+
+
+@contextlib.contextmanager
+def warm_document_app(articles_db, vllm_url, embedder):
+    """The document strategy on a cold cache, once both articles are pre-warmed."""
+    reset_prefix_cache(vllm_url)
+    with strategy_app(articles_db, vllm_url, embedder, "document", top_k=2) as server:
+        server.wait_ready()
+        server.wait_warmed(units=2)
+        yield server
 
 
 @pytest.mark.vllm
@@ -147,13 +157,7 @@ def test_a_big_unit_holding_most_hits_is_the_context_else_the_plain_top_k_is(art
 
 @pytest.mark.vllm
 def test_document_strategy_serves_the_whole_unit_from_cache(articles_db, vllm_url, embedder):
-    reset_prefix_cache(vllm_url)
-    with strategy_app(articles_db, vllm_url, embedder, "document", top_k=2) as server:
-        server.wait_ready()
-        deadline = time.monotonic() + 60
-        while (status := httpx.get(server.url + "/readyz").json())["warmup"]["detail"].get("units_warmed", 0) < 2:
-            assert time.monotonic() < deadline, status
-            time.sleep(0.2)
+    with warm_document_app(articles_db, vllm_url, embedder) as server:
         answers = [httpx.post(server.url + "/ask", json={"question": q, "max_tokens": 4}, timeout=60).json()
                    for q in ("When was the quay extended to hold 12 boats?", "How many boats in 1855?")]
     for answer in answers:
@@ -163,16 +167,31 @@ def test_document_strategy_serves_the_whole_unit_from_cache(articles_db, vllm_ur
 
 
 @pytest.mark.vllm
+def test_a_chat_starts_on_the_pre_warmed_unit_even_with_its_own_system_prompt(articles_db, vllm_url, embedder):
+    from openai import OpenAI
+
+    with warm_document_app(articles_db, vllm_url, embedder) as server:
+        client = OpenAI(base_url=server.url + "/v1", api_key="unused")
+        messages = [{"role": "system", "content": "You are a terse harbour historian."},
+                    {"role": "user", "content": "When was the quay extended to hold 12 boats?"}]
+        first = client.chat.completions.create(model="prefixrag", messages=messages, max_tokens=4)
+        messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                     {"role": "user", "content": "And how far did the glacier retreat in 1993?"}]
+        second = client.chat.completions.create(model="prefixrag", messages=messages, max_tokens=4)
+    # Turn 1 is the harbour article, pre-warmed before any chat: cached up to the client's instructions.
+    assert first.usage.prompt_tokens_details.cached_tokens >= floor_block(first.usage.prompt_tokens - 80, 128) > 128
+    # Turn 2 starts with all of turn 1's prompt (the unit, rebuilt identically), then the new context.
+    assert second.usage.prompt_tokens_details.cached_tokens >= floor_block(first.usage.prompt_tokens, 128)
+
+
+@pytest.mark.vllm
 def test_corpus_mode_hits_the_whole_corpus_on_every_request(articles_db, vllm_url, embedder):
     reset_prefix_cache(vllm_url)
     with strategy_app(articles_db, vllm_url, embedder, "corpus") as server:
         status = server.wait_ready()
         corpus_tokens = status["warmup"]["detail"]["corpus_tokens"]
         assert status["warmup"]["detail"]["corpus_fits"] and corpus_tokens > 256
-        deadline = time.monotonic() + 60
-        while httpx.get(server.url + "/readyz").json()["warmup"]["detail"].get("units_warmed") != 1:
-            assert time.monotonic() < deadline
-            time.sleep(0.2)
+        server.wait_warmed(units=1)
         for question in ("When was the quay extended?", "How far did the ice retreat?", "Which valley?"):
             answer = httpx.post(server.url + "/ask", json={"question": question, "max_tokens": 4}, timeout=60).json()
             assert answer["strategy"] == "corpus"

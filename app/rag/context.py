@@ -71,6 +71,9 @@ class PromptBuilder:
                  for group in _runs_of_units(ordered)]
         return self.templates.render("context", "block", documents="".join(parts))
 
+    def client_instructions(self, text: str) -> str:
+        return self.templates.render("question", "client_instructions", instructions=inert(text))
+
     def question(self, question: str) -> str:
         return self.templates.render("question", "text", question=inert(question))
 

@@ -2,12 +2,14 @@
 
 Each user turn carries the context that was NEW at that turn, right before its question:
 
-    system | ctx(turn 1) Q1 | A1 | ctx new at turn 2, Q2 | A2 | ctx new at turn 3, Q3
+    system | ctx(turn 1) [client instructions] Q1 | A1 | ctx new at turn 2, Q2 | A2 | ctx new at turn 3, Q3
 
-Context already shown stays where it was; chunks retrieved again are not repeated. Because retrieval is
-deterministic, the context of earlier turns is recomputed from the conversation itself (no server state):
-any replica rebuilds exactly the prompt the previous turn sent, and turn n+1's prompt starts with all of it.
-Retrieval uses each turn's own user message.
+The first turn's context is arranged by the configured strategy (a whole unit, the corpus), so a
+conversation starts on the same pre-warmed prefix as ``/ask``; later turns add only the hits not shown yet,
+in canonical order. A client's own system prompt goes after the first context, not into the system message,
+so it does not break that shared prefix. Because retrieval and the arrangement are deterministic, earlier
+turns are recomputed from the conversation itself (no server state): any replica rebuilds exactly the prompt
+the previous turn sent, and turn n+1's prompt starts with all of it.
 """
 
 from __future__ import annotations
@@ -23,11 +25,12 @@ class Turn:
     content: str
 
 
-def new_context_per_turn(retrieved: list[list[ContextChunk]]) -> list[list[ContextChunk]]:
-    """For each user turn, the retrieved chunks not shown in an earlier turn, in canonical order."""
-    shown: set[str] = set()
-    per_turn = []
-    for ranked in retrieved:
+def new_context_per_turn(first: list[ContextChunk], later: list[list[ContextChunk]]) -> list[list[ContextChunk]]:
+    """The first turn's (arranged) context, then for each later user turn the retrieved chunks not shown in
+    an earlier turn, in canonical order."""
+    shown = {chunk.id for chunk in first}
+    per_turn = [first]
+    for ranked in later:
         fresh = [chunk for chunk in ranked if chunk.id not in shown]
         shown |= {chunk.id for chunk in fresh}
         per_turn.append(canonical(fresh))
@@ -37,8 +40,7 @@ def new_context_per_turn(retrieved: list[list[ContextChunk]]) -> list[list[Conte
 def conversation_messages(builder: PromptBuilder, turns: list[Turn], contexts: list[list[ContextChunk]],
                           client_system: str = "") -> list[dict[str, str]]:
     """Render the conversation; ``contexts[i]`` is the new context of the i-th user turn."""
-    system = builder.system_prompt + (f"\n\n{client_system}" if client_system else "")
-    messages = [{"role": "system", "content": system}]
+    messages = [{"role": "system", "content": builder.system_prompt}]
     user_index = 0
     for turn in turns:
         if turn.role != "user":
@@ -47,6 +49,8 @@ def conversation_messages(builder: PromptBuilder, turns: list[Turn], contexts: l
         context = contexts[user_index]
         # The first turn always has a context block (as /ask does, so both share one cached prefix).
         block = builder.context_block(context) if context or user_index == 0 else ""
+        if user_index == 0 and client_system:
+            block += builder.client_instructions(client_system)
         messages.append({"role": "user", "content": block + builder.question(turn.content)})
         user_index += 1
     return messages

@@ -13,13 +13,21 @@ class AsyncLRU(Generic[V]):
     def __init__(self, size: int) -> None:
         self.size = size
         self._items: OrderedDict[Hashable, V] = OrderedDict()
+        self._epoch = 0
 
     async def get(self, key: Hashable, load: Callable[[], Awaitable[V]]) -> V:
         if key in self._items:
             self._items.move_to_end(key)
             return self._items[key]
+        epoch = self._epoch
         value = await load()
+        if epoch != self._epoch:  # cleared while loading: the value may predate the change, don't keep it
+            return value
         self._items[key] = value
         if len(self._items) > self.size:
             self._items.popitem(last=False)
         return value
+
+    def clear(self) -> None:
+        self._items.clear()
+        self._epoch += 1

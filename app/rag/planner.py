@@ -8,7 +8,7 @@ import logging
 from collections import Counter
 
 from app.rag.budget import TokenEstimator
-from app.rag.context import ContextChunk, PromptBuilder
+from app.rag.context import ContextChunk, PromptBuilder, canonical
 from app.rag.strategies import QUESTION_HEADROOM_TOKENS, Canonical, Corpus, Document, Reuse
 from app.rag.trie import ServedTrie
 from app.rag.units import Hotness, UnitIndex
@@ -43,6 +43,15 @@ class ContextPlanner:
         """The prompt's context for these hits; ``budget`` is the request's prompt-token budget."""
         return await self.active.arrange(ranked, budget)
 
+    async def arrange_stable(self, ranked: list[ContextChunk], budget: int) -> list[ContextChunk]:
+        """Like ``arrange`` but a pure function of the hits (no hotness order, no served paths, no state
+        change): a conversation's first turn is rebuilt on every later turn and must come out the same."""
+        if isinstance(self.active, Reuse):
+            return canonical(ranked)
+        if isinstance(self.active, Document):
+            return await self.active.arrange(ranked, budget, stable=True)
+        return await self.active.arrange(ranked, budget)
+
     def strategy_for(self, arranged: list[ContextChunk]) -> str:
         """The strategy that actually built this context (corpus degrades to canonical when it cannot fit)."""
         if self.active is self.corpus and len(arranged) != len(self.corpus.chunks or []):
@@ -68,6 +77,11 @@ class ContextPlanner:
             self._background = asyncio.create_task(self._warm_units(info))
         return WarmupStatus(done=True, tokens=tokens, detail=self.progress)
 
+    def forget_collection(self) -> None:
+        """The collection changed: parents and corpus are re-read on next use (``warm`` re-decides the corpus)."""
+        self.units.forget()
+        self.corpus.chunks, self.corpus.fits = None, False
+
     async def warmed(self) -> None:
         """Wait until the background pre-warm is done (benchmarks measure warm traffic)."""
         if self._background:
@@ -84,10 +98,13 @@ class ContextPlanner:
         room = info.max_model_len - self.settings.max_tokens - QUESTION_HEADROOM_TOKENS
         self.corpus.fits, self.corpus.tokens = tokens <= room, tokens
         if self.settings.strategy == "auto":
-            self.active = self.corpus if self.corpus.fits else self.strategies["document"]
+            # Every request attends over its whole prompt, cached or not: the corpus is worth it only while it
+            # is no bigger than a unit may be. A long-window model must not turn every prompt into 60K tokens.
+            cheap = self.corpus.fits and tokens <= self.settings.max_unit_tokens
+            self.active = self.corpus if cheap else self.strategies["document"]
         verdict = "fits" if self.corpus.fits else "is too large for corpus mode"
-        log.info("corpus of %d chunks is %d tokens; window leaves %d: it %s; strategy=%s", len(chunks), tokens,
-                 room, verdict, self.active.name)
+        log.info("corpus of %d chunks is %d tokens; window leaves %d: it %s; max_unit_tokens=%d; strategy=%s",
+                 len(chunks), tokens, room, verdict, self.settings.max_unit_tokens, self.active.name)
         self.progress["corpus_tokens"], self.progress["corpus_fits"] = tokens, self.corpus.fits
 
     async def _warm_corpus(self) -> None:
@@ -97,7 +114,7 @@ class ContextPlanner:
     async def _warm_units(self, info: UpstreamInfo) -> None:
         """Hottest units first (persisted use; before any traffic: biggest parents), within a KV share."""
         try:
-            metas = await self.retriever.chunks_where(None)
+            metas = await self.retriever.chunks_where(None, texts=False)  # which parents, how big
         except Exception as exc:  # an empty or missing collection: nothing to warm yet
             log.warning("unit pre-warm skipped: %s", exc)
             return

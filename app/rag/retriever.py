@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 from app.errors import UpstreamUnavailable
 from app.rag.context import ContextChunk
 from app.settings import ChromaSettings
-from ingest.store import PAGE, StoreError, open_collection
+from ingest.store import PAGE, StoreError, forget_clients, open_collection, read_generation
 
 SOURCES_TTL_S = 60.0  # how long the list of sources (for prefix filters) is reused
 
@@ -31,6 +31,21 @@ class Retriever:
                 raise UpstreamUnavailable(str(exc), code="collection_unavailable") from exc
         return self._collection
 
+    async def generation(self) -> str | None:
+        """The collection's generation stamp as stored now (None: no collection yet); see ``reopen``."""
+        loop = asyncio.get_running_loop()
+        try:
+            return await loop.run_in_executor(self.executor, read_generation, self.chroma)
+        except StoreError as exc:
+            raise UpstreamUnavailable(str(exc), code="collection_unavailable") from exc
+
+    def reopen(self) -> None:
+        """After an ingest changed the collection: open it afresh on the next request (embedded Chroma must
+        reload from disk to see another process's writes)."""
+        if not self.chroma.url:
+            forget_clients()
+        self._collection, self._sources = None, (0.0, [])
+
     async def retrieve(self, question: str, k: int, source_prefix: str | None = None) -> list[ContextChunk]:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self.executor, self.retrieve_sync, question, k, source_prefix)
@@ -49,17 +64,20 @@ class Retriever:
         return [to_chunk(chunk_id, text, meta, 1.0 - distance, rank)
                 for rank, (chunk_id, text, meta, distance) in enumerate(rows)]
 
-    async def chunks_where(self, where: dict | None) -> list[ContextChunk]:
-        """All chunks matching a metadata filter (a parent document, or the whole collection), off the loop."""
+    async def chunks_where(self, where: dict | None, texts: bool = True) -> list[ContextChunk]:
+        """All chunks matching a metadata filter (a parent document, or the whole collection), off the loop;
+        ``texts=False`` reads metadata only (their ``text`` is then empty)."""
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self.executor, self._get_all, where)
+        return await loop.run_in_executor(self.executor, self._get_all, where, texts)
 
-    def _get_all(self, where: dict | None) -> list[ContextChunk]:
+    def _get_all(self, where: dict | None, texts: bool) -> list[ContextChunk]:
         chunks, offset = [], 0
+        include = ["documents", "metadatas"] if texts else ["metadatas"]
         while True:
-            page = self.collection.get(where=where, include=["documents", "metadatas"], limit=PAGE, offset=offset)
+            page = self.collection.get(where=where, include=include, limit=PAGE, offset=offset)
+            documents = page["documents"] if texts else [""] * len(page["ids"])
             chunks += [to_chunk(i, text, meta, retrieved=False)
-                       for i, text, meta in zip(page["ids"], page["documents"], page["metadatas"])]
+                       for i, text, meta in zip(page["ids"], documents, page["metadatas"])]
             if len(page["ids"]) < PAGE:
                 return chunks
             offset += PAGE

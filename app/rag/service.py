@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
+import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from app.errors import BadRequest, ContextTooLong, UpstreamUnavailable
+from app.errors import BadRequest, ContextTooLong, ServiceError, UpstreamUnavailable
 from app.llm import Completion, Delta, LLMClient
 from app.metrics import ServiceMetrics
 from app.rag.budget import OverBudget, TokenEstimator, fit_to_budget
@@ -19,7 +21,8 @@ from app.rag.retriever import Retriever
 from app.rag.upstream import Upstream, WarmupStatus
 from app.settings import GenerationSettings
 
-STRATEGY = "canonical"  # chat turns: each turn's new context in canonical order (see conversation.py)
+log = logging.getLogger("prefixrag.service")
+_UNSEEN = object()
 RETRIEVAL_CACHE_SIZE = 1024
 
 
@@ -146,8 +149,10 @@ class RAGService:
         clock = Clock(chat.received_at)
         retrieved = [await self._retrieve_cached(q, top_k, chat.source_prefix) for q in questions]
         clock.mark("retrieve")
-        contexts = new_context_per_turn(retrieved)
         budget = self._budget(info.max_model_len, max_tokens)
+        first = await self.planner.arrange_stable(retrieved[0], budget)
+        strategy = self.planner.strategy_for(first)
+        contexts = new_context_per_turn(first, retrieved[1:])
         turns = list(chat.turns)
         while True:
             def render(last: list[ContextChunk]) -> list[dict]:
@@ -165,7 +170,7 @@ class RAGService:
         clock.mark("assemble")
         in_prompt = {c.id for c in kept} | {c.id for ctx in contexts[:-1] for c in ctx}
         context = [c for c in retrieved[-1] if c.id in in_prompt]
-        async for event in self._generate(messages, context, max_tokens, chat.temperature, clock, STRATEGY,
+        async for event in self._generate(messages, context, max_tokens, chat.temperature, clock, strategy,
                                           top_p=chat.top_p, stop=chat.stop):
             yield event
 
@@ -219,6 +224,30 @@ class RAGService:
                              param="max_tokens")
         cap = self.settings.context_budget_tokens or max_model_len
         return min(cap, max_model_len) - max_tokens
+
+    async def watch_collection(self, interval_s: float) -> None:
+        """Poll the collection's generation stamp; when an ingest changed it, drop everything cached of it
+        (Chroma's embedded state, chat retrievals, units, the corpus) and re-warm for the new content."""
+        seen: object = _UNSEEN  # the first look only records what start-up already loaded
+        while True:
+            try:
+                now = await self.retriever.generation()
+                if seen is not _UNSEEN and now is not None and now != seen:
+                    log.info("collection %r changed (an ingest ran): reloading and re-warming",
+                             self.retriever.chroma.collection)
+                    await self._collection_changed()
+                seen = now
+            except ServiceError as exc:
+                log.warning("cannot check the collection for changes: %s", exc.message)
+            await asyncio.sleep(interval_s)
+
+    async def _collection_changed(self) -> None:
+        self.retriever.reopen()
+        self._retrievals.clear()
+        self.planner.forget_collection()
+        self.metrics.collection_reloads.inc()
+        if self.upstream.info is not None:
+            await self.warm()
 
     async def warm(self) -> WarmupStatus:
         """Pre-warm for the configured strategy (see ``ContextPlanner.warm``); metrics record the prefix."""

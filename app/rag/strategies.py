@@ -46,7 +46,8 @@ class Document(Canonical):
                  ) -> None:
         self.units, self.hotness, self.max_units, self.quorum = units, hotness, max_units, quorum
 
-    async def arrange(self, ranked: list[ContextChunk], budget: int) -> list[ContextChunk]:
+    async def arrange(self, ranked: list[ContextChunk], budget: int, stable: bool = False) -> list[ContextChunk]:
+        """``stable``: units in key order and nothing recorded (a pure function of ``ranked``)."""
         if not ranked:
             return []
         hits = {c.id: c for c in ranked}
@@ -55,7 +56,7 @@ class Document(Canonical):
         room = estimate_tokens(ranked) - estimate_tokens(chunks)
         if room <= 0:
             held = sum(c.id in inside for c in ranked)
-            return self._in_order(units, []) if held >= self.quorum * len(ranked) else canonical(ranked)
+            return self._in_order(units, [], stable) if held >= self.quorum * len(ranked) else canonical(ranked)
         extras = []
         for hit in ranked[1:]:  # best-ranked first
             if hit.id in inside:
@@ -67,9 +68,12 @@ class Document(Canonical):
                 room -= estimate_tokens(chunks)
             else:
                 extras.append(hit)
-        return self._in_order(units, [c for c in extras if c.id not in inside])
+        return self._in_order(units, [c for c in extras if c.id not in inside], stable)
 
-    def _in_order(self, units: dict[str, list[ContextChunk]], extras: list[ContextChunk]) -> list[ContextChunk]:
+    def _in_order(self, units: dict[str, list[ContextChunk]], extras: list[ContextChunk],
+                  stable: bool) -> list[ContextChunk]:
+        if stable:
+            return [c for key in sorted(units) for c in units[key]] + canonical(extras)
         # Hot units first: the most shared unit is always at the very front of the prompt.
         order = sorted(units, key=lambda key: (-self.hotness.score(key), key))
         self.hotness.use(order)

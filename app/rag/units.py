@@ -32,6 +32,9 @@ class UnitIndex:
         self.retriever, self.max_unit_tokens = retriever, max_unit_tokens
         self._parents: AsyncLRU[list[ContextChunk]] = AsyncLRU(cache_size)
 
+    def forget(self) -> None:
+        self._parents.clear()
+
     async def parent(self, parent_id: str) -> list[ContextChunk]:
         return await self._parents.get(parent_id, lambda: self._fetch(parent_id))
 
