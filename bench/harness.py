@@ -53,7 +53,7 @@ class Harness:
 
     def service(self, mode: str) -> RAGService:
         """``mode`` is a strategy name, or ``prefixrag`` (the service default), optionally with generation
-        settings after colons: ``document:max_extra_hits=0``."""
+        settings after colons: ``document:unit_quorum=1``."""
         name, *overrides = mode.split(":")
         strategy = self.settings.generation.strategy if name == "prefixrag" else name
         values = self.settings.generation.model_dump() | dict(o.split("=", 1) for o in overrides) | {

@@ -34,7 +34,7 @@ def parse_args(argv):
     p.add_argument("--max-model-len", type=int, default=32768, help="with --start-vllm")
     p.add_argument("--modes", default=DEFAULT_MODES,
                    help="comma list: naive, naive-matched, prefixrag (= service default), or a strategy name; "
-                        "generation settings may follow a strategy: document:max_extra_hits=0")
+                        "generation settings may follow a strategy: document:unit_quorum=1")
     p.add_argument("--chroma-path", type=Path, help="keep the bench collection here (default: a fresh temp dir)")
     p.add_argument("--dump-prompts", type=Path, help="write each mode's prompt token ids here (for bench.replay)")
     p.add_argument("--out", type=Path, required=True, help="JSON result; a PNG plot is written beside it")

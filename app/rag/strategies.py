@@ -7,7 +7,7 @@ a prefix vLLM already holds. Each is a setting (RAG_GENERATION__STRATEGY) and a 
   question about it.
 - reuse: the top-k set ordered along the longest path already served (bounded trie), the rest canonically.
 - corpus: the whole collection, parent document by parent document, as one fixed prefix, when it fits the window.
-- auto: corpus when it fits, else document.
+- auto: corpus when it fits the window and max_unit_tokens, else document.
 """
 
 from __future__ import annotations
