@@ -8,7 +8,7 @@ import logging
 from collections import Counter
 
 from app.rag.budget import TokenEstimator
-from app.rag.context import ContextChunk, PromptBuilder, canonical
+from app.rag.context import ContextChunk, PromptBuilder
 from app.rag.strategies import QUESTION_HEADROOM_TOKENS, Canonical, Corpus, Document, Reuse
 from app.rag.trie import ServedTrie
 from app.rag.units import Hotness, UnitIndex
@@ -39,18 +39,10 @@ class ContextPlanner:
     def name(self) -> str:
         return self.active.name
 
-    async def arrange(self, ranked: list[ContextChunk], budget: int) -> list[ContextChunk]:
-        """The prompt's context for these hits; ``budget`` is the request's prompt-token budget."""
-        return await self.active.arrange(ranked, budget)
-
-    async def arrange_stable(self, ranked: list[ContextChunk], budget: int) -> list[ContextChunk]:
-        """Like ``arrange`` but a pure function of the hits (no hotness order, no served paths, no state
-        change): a conversation's first turn is rebuilt on every later turn and must come out the same."""
-        if isinstance(self.active, Reuse):
-            return canonical(ranked)
-        if isinstance(self.active, Document):
-            return await self.active.arrange(ranked, budget, stable=True)
-        return await self.active.arrange(ranked, budget)
+    async def arrange(self, ranked: list[ContextChunk], budget: int, stable: bool = False) -> list[ContextChunk]:
+        """The prompt's context for these hits; ``budget`` is the request's prompt-token budget; ``stable``: a
+        pure function of the hits (see ``Canonical.arrange``)."""
+        return await self.active.arrange(ranked, budget, stable)
 
     def strategy_for(self, arranged: list[ContextChunk]) -> str:
         """The strategy that actually built this context (corpus degrades to canonical when it cannot fit)."""

@@ -150,7 +150,7 @@ class RAGService:
         retrieved = [await self._retrieve_cached(q, top_k, chat.source_prefix) for q in questions]
         clock.mark("retrieve")
         budget = self._budget(info.max_model_len, max_tokens)
-        first = await self.planner.arrange_stable(retrieved[0], budget)
+        first = await self.planner.arrange(retrieved[0], budget, stable=True)
         strategy = self.planner.strategy_for(first)
         contexts = new_context_per_turn(first, retrieved[1:])
         turns = list(chat.turns)

@@ -26,7 +26,9 @@ QUESTION_HEADROOM_TOKENS = 256  # room kept for the question when deciding wheth
 class Canonical:
     name = "canonical"
 
-    async def arrange(self, ranked: list[ContextChunk], budget: int) -> list[ContextChunk]:
+    async def arrange(self, ranked: list[ContextChunk], budget: int, stable: bool = False) -> list[ContextChunk]:
+        """The context for these hits. ``stable``: a pure function of ``ranked`` (no state read or recorded),
+        for a conversation's first turn, which is rebuilt on every later turn and must come out the same."""
         return canonical(ranked)
 
     def served(self, kept: list[ContextChunk]) -> None:
@@ -47,7 +49,6 @@ class Document(Canonical):
         self.units, self.hotness, self.max_units, self.quorum = units, hotness, max_units, quorum
 
     async def arrange(self, ranked: list[ContextChunk], budget: int, stable: bool = False) -> list[ContextChunk]:
-        """``stable``: units in key order and nothing recorded (a pure function of ``ranked``)."""
         if not ranked:
             return []
         hits = {c.id: c for c in ranked}
@@ -73,10 +74,10 @@ class Document(Canonical):
     def _in_order(self, units: dict[str, list[ContextChunk]], extras: list[ContextChunk],
                   stable: bool) -> list[ContextChunk]:
         if stable:
-            return [c for key in sorted(units) for c in units[key]] + canonical(extras)
-        # Hot units first: the most shared unit is always at the very front of the prompt.
-        order = sorted(units, key=lambda key: (-self.hotness.score(key), key))
-        self.hotness.use(order)
+            order = sorted(units)
+        else:  # hot units first: the most shared unit is always at the very front of the prompt
+            order = sorted(units, key=lambda key: (-self.hotness.score(key), key))
+            self.hotness.use(order)
         return [c for key in order for c in units[key]] + canonical(extras)
 
 
@@ -86,7 +87,9 @@ class Reuse(Canonical):
     def __init__(self, trie: ServedTrie) -> None:
         self.trie = trie
 
-    async def arrange(self, ranked: list[ContextChunk], budget: int) -> list[ContextChunk]:
+    async def arrange(self, ranked: list[ContextChunk], budget: int, stable: bool = False) -> list[ContextChunk]:
+        if stable:  # the trie changes with every request
+            return canonical(ranked)
         by_id = {c.id: c for c in ranked}
         path = self.trie.order(set(by_id))
         return [by_id[i] for i in path] + canonical([c for c in ranked if c.id not in set(path)])
@@ -113,7 +116,7 @@ class Corpus(Canonical):
         self.chunks = [replace(c, unit=c.parent_id or c.doc_id, retrieved=False) for c in chunks]
         return self.chunks
 
-    async def arrange(self, ranked: list[ContextChunk], budget: int) -> list[ContextChunk]:
+    async def arrange(self, ranked: list[ContextChunk], budget: int, stable: bool = False) -> list[ContextChunk]:
         if not self.fits or self.chunks is None or self.tokens > budget - QUESTION_HEADROOM_TOKENS:
             # Too large for the window (startup said so), or for this request's answer budget: canonical.
             return canonical(ranked)
