@@ -79,15 +79,13 @@ def mark_changed(collection) -> None:
     collection.modify(metadata={**(collection.metadata or {}), GENERATION_KEY: uuid.uuid4().hex})
 
 
-def read_generation(cfg: ChromaSettings) -> str | None:
-    """The collection's generation as stored now (a fresh read, not a cached object); None while it is missing."""
+def read_generation(cfg: ChromaSettings, embedder_name: str, dimension: int) -> str | None:
+    """The collection's generation as stored now (opened afresh, not a cached object); None while it is missing."""
     try:
-        metadata = open_client(cfg).get_collection(cfg.collection, embedding_function=None).metadata
-    except Exception as exc:
-        if "does not exist" in str(exc):
-            return None
-        raise StoreError(f"collection {cfg.collection!r} unavailable: {exc}") from exc
-    return (metadata or {}).get(GENERATION_KEY, "")
+        collection = open_collection(cfg, embedder_name, dimension, create=False)
+    except CollectionMissing:
+        return None
+    return (collection.metadata or {}).get(GENERATION_KEY, "")
 
 
 def forget_clients() -> None:

@@ -35,7 +35,8 @@ class Retriever:
         """The collection's generation stamp as stored now (None: no collection yet); see ``reopen``."""
         loop = asyncio.get_running_loop()
         try:
-            return await loop.run_in_executor(self.executor, read_generation, self.chroma)
+            return await loop.run_in_executor(self.executor, read_generation, self.chroma, self.embedder.name,
+                                              self.embedder.dimension)
         except StoreError as exc:
             raise UpstreamUnavailable(str(exc), code="collection_unavailable") from exc
 
