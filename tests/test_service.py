@@ -139,7 +139,7 @@ def test_a_wrong_token_estimate_is_caught_by_vllm_and_the_prompt_refitted(collec
         # sent uncounted, so the 24-chunk prompt reaches vLLM, which refuses it; the service must count, trim
         # and send again rather than fail the request.
         estimator = app.state.service.estimator
-        estimator.chars_per_token, estimator.samples = 1_000_000.0, 1
+        estimator.chars_per_token = 1_000_000.0
         response = ask(server, question="What does the log say about anchors?", top_k=24)
     assert response.status_code == 200, response.text
     body = response.json()

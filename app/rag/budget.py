@@ -30,10 +30,9 @@ class TokenEstimator:
 
     Uncalibrated (nothing counted yet) it declines to guess, and every prompt is counted exactly."""
 
-    def __init__(self, margin: float = 0.15, slack_tokens: int = 64, min_samples: int = 1) -> None:
-        self.margin, self.slack_tokens, self.min_samples = margin, slack_tokens, min_samples
-        self.chars_per_token: float | None = None
-        self.samples = 0
+    def __init__(self, margin: float = 0.15, slack_tokens: int = 64) -> None:
+        self.margin, self.slack_tokens = margin, slack_tokens
+        self.chars_per_token: float | None = None  # None until vLLM has counted one of our prompts
         self._lock = threading.Lock()
 
     def observe(self, messages: list[dict], prompt_tokens: int) -> None:
@@ -42,11 +41,10 @@ class TokenEstimator:
             return
         ratio = prompt_chars(messages) / prompt_tokens
         with self._lock:
-            self.samples += 1
             self.chars_per_token = min(ratio, self.chars_per_token or ratio)
 
     def estimate(self, messages: list[dict]) -> int | None:
-        if self.chars_per_token is None or self.samples < self.min_samples:
+        if self.chars_per_token is None:
             return None
         return int(prompt_chars(messages) / self.chars_per_token * (1 + self.margin)) + self.slack_tokens
 
