@@ -31,6 +31,11 @@ class ContextChunk:
     unit: str = ""  # the stable unit this chunk was placed in (document/corpus strategies); "" = on its own
 
     @property
+    def parent(self) -> str:
+        """The document this chunk belongs to for units: its parent (jsonl records sharing one), else its own."""
+        return self.parent_id or self.doc_id
+
+    @property
     def cite_id(self) -> str:
         # What the prompt calls the chunk: document and position. The content hash in ``id`` only costs tokens.
         return f"{self.doc_id}::{self.chunk_index}"

@@ -110,10 +110,10 @@ class ContextPlanner:
         except Exception as exc:  # an empty or missing collection: nothing to warm yet
             log.warning("unit pre-warm skipped: %s", exc)
             return
-        sizes = Counter(c.parent_id or c.doc_id for c in metas)
+        sizes = Counter(c.parent for c in metas)
         first = {}
         for chunk in metas:
-            first.setdefault(chunk.parent_id or chunk.doc_id, chunk)
+            first.setdefault(chunk.parent, chunk)
         order = sorted(sizes, key=lambda p: (-self.hotness.score(p), -sizes[p], p))
         budget = int(info.kv_cache_tokens * self.settings.warm_kv_share)
         self.progress.update(units_planned=len(order), units_warmed=0, unit_tokens=0, kv_budget_tokens=budget)

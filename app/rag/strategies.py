@@ -112,8 +112,8 @@ class Corpus(Canonical):
     async def load(self) -> list[ContextChunk]:
         # Parent by parent, each in natural order and rendered as one unit (one header per parent document).
         chunks = sorted(await self.retriever.chunks_where(None),
-                        key=lambda c: (c.parent_id or c.doc_id, c.parent_pos, c.doc_id, c.chunk_index))
-        self.chunks = [replace(c, unit=c.parent_id or c.doc_id, retrieved=False) for c in chunks]
+                        key=lambda c: (c.parent, c.parent_pos, c.doc_id, c.chunk_index))
+        self.chunks = [replace(c, unit=c.parent, retrieved=False) for c in chunks]
         return self.chunks
 
     async def arrange(self, ranked: list[ContextChunk], budget: int, stable: bool = False) -> list[ContextChunk]:

@@ -47,11 +47,11 @@ class UnitIndex:
         return key, [replace(c, unit=key) for c in chunks]
 
     async def _locate(self, hit: ContextChunk) -> tuple[str, list[ContextChunk]]:
-        chunks = await self.parent(hit.parent_id or hit.doc_id)
+        chunks = await self.parent(hit.parent)
         if not chunks:
             return hit.id, [hit]
         if estimate_tokens(chunks) <= self.max_unit_tokens:
-            return hit.parent_id or hit.doc_id, chunks
+            return hit.parent, chunks
         per_chunk = max(1, estimate_tokens(chunks) // len(chunks))
         size = max(1, self.max_unit_tokens // per_chunk)
         position = next((i for i, c in enumerate(chunks) if c.id == hit.id), 0)
