@@ -58,11 +58,12 @@ class ContextPlanner:
         # A unit must leave room for the question, the answer and the rest of the prompt.
         self.units.max_unit_tokens = min(self.settings.max_unit_tokens,
                                          (info.max_model_len - self.settings.max_tokens) // 2)
+        if self._background:  # a re-warm (vLLM restarted, the collection changed) supersedes the last one
+            self._background.cancel()
+        self.warmed_prompts = []  # what is cached now, not every warm-up since start-up
         tokens = await self._warm_messages(self.builder.warmup_messages())
         if self.settings.strategy in ("corpus", "auto"):
             await self._decide_corpus(info)
-        if self._background:
-            self._background.cancel()
         if self.active is self.corpus and self.corpus.fits:
             self._background = asyncio.create_task(self._warm_corpus())
         elif self.active.name == "document":
