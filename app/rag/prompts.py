@@ -12,9 +12,8 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
-REQUIRED = {("system", "text"), ("context", "block"), ("context", "document"), ("context", "unit"), ("context", "empty"),
-            ("question", "text"),
-            ("question", "client_instructions")}
+REQUIRED = {("system", "text"), ("context", "block"), ("context", "document"), ("context", "unit"),
+            ("context", "empty"), ("question", "text"), ("question", "client_instructions")}
 # Strings a chat template or tokenizer treats as structure: role markers / special tokens and our delimiters.
 _SPECIAL = re.compile(r"<\|(?=[^<>]{0,40}\|>)|\|>")
 _DELIMITER = re.compile(r"<(/?)(documents?)\b", re.IGNORECASE)
