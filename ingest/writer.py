@@ -17,9 +17,16 @@ class _Pending:
     remaining: int  # chunks of this document not yet upserted
 
 
+def max_write_batch(collection, wanted: int) -> int:
+    """``wanted``, capped to the most rows Chroma accepts in one write (it refuses a larger upsert outright)."""
+    limit = collection._client.get_max_batch_size() if collection is not None else wanted
+    return max(1, min(wanted, limit))
+
+
 class ChunkWriter:
     def __init__(self, collection, embedder, batch: int, dry_run: bool, report) -> None:
-        self.collection, self.embedder, self.batch = collection, embedder, batch
+        self.collection, self.embedder = collection, embedder
+        self.batch = max_write_batch(collection, batch)
         self.dry_run, self.report = dry_run, report
         self.vectors: dict[str, np.ndarray] = {}  # content hash -> embedding, this run and re-used stored ones
         self.buffer: list[tuple[str, Chunk, dict]] = []
@@ -38,14 +45,18 @@ class ChunkWriter:
 
     def _remember_stored(self, ids: list[str]) -> None:
         """Keep the embeddings of a changed document's current chunks: unchanged text is never re-embedded."""
-        stored = self.collection.get(ids=ids, include=["embeddings", "metadatas"])
-        for vector, meta in zip(stored["embeddings"], stored["metadatas"]):
-            self.vectors.setdefault(meta["content_hash"], np.asarray(vector, dtype=np.float32))
+        for start in range(0, len(ids), self.batch):
+            stored = self.collection.get(ids=ids[start:start + self.batch], include=["embeddings", "metadatas"])
+            for vector, meta in zip(stored["embeddings"], stored["metadatas"]):
+                self.vectors.setdefault(meta["content_hash"], np.asarray(vector, dtype=np.float32))
 
     def flush(self) -> None:
-        if not self.buffer:
-            return
-        batch, self.buffer = self.buffer, []
+        """Write everything buffered, in writes of at most ``batch`` rows (one document may be far larger)."""
+        while self.buffer:
+            batch, self.buffer = self.buffer[:self.batch], self.buffer[self.batch:]
+            self._write(batch)
+
+    def _write(self, batch: list[tuple[str, Chunk, dict]]) -> None:
         self._embed_missing([chunk for _, chunk, _ in batch])
         if not self.dry_run:
             self.collection.upsert(
@@ -81,9 +92,10 @@ class ChunkWriter:
         """Record a new file hash on chunks whose content did not change (a metadata-only write)."""
         if self.dry_run:
             return
-        current = self.collection.get(ids=ids, include=["metadatas"])
-        self.collection.update(ids=current["ids"],
-                               metadatas=[meta | {"file_hash": file_hash} for meta in current["metadatas"]])
+        for start in range(0, len(ids), self.batch):
+            current = self.collection.get(ids=ids[start:start + self.batch], include=["metadatas"])
+            self.collection.update(ids=current["ids"],
+                                   metadatas=[meta | {"file_hash": file_hash} for meta in current["metadatas"]])
         self.report.chunks_relabeled += len(ids)
 
     def delete_documents(self, ids_by_doc: dict[str, list[str]]) -> None:
@@ -94,8 +106,8 @@ class ChunkWriter:
             return
         self.report.chunks_deleted += len(ids)
         if not self.dry_run:
-            for start in range(0, len(ids), 5000):
-                self.collection.delete(ids=ids[start:start + 5000])
+            for start in range(0, len(ids), self.batch):
+                self.collection.delete(ids=ids[start:start + self.batch])
 
 
 def chunk_metadata(document: SourceDocument, chunk: Chunk, doc_hash: str, n_chunks: int) -> dict:

@@ -112,6 +112,28 @@ def test_unchanged_files_are_not_even_parsed(tmp_path, settings_factory, embedde
     assert parsed == ["notes.txt"] and report.files_updated == 1 and report.files_unchanged == 4
 
 
+def test_a_document_larger_than_chromas_max_batch_is_written_whole_and_the_next_file_too(
+        tmp_path, settings_factory, embedder):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    # One sentence over and over: thousands of chunks, but one unique text, so the encoder does little work.
+    (corpus / "a_manual.txt").write_text("The anchor chain is checked every morning.\n" * 12000)
+    (corpus / "z_good.md").write_text("# Buoys\n\nRed buoys mark the port side of the channel.\n")
+    settings = settings_factory()
+    settings.chunking = settings.chunking.model_copy(update={"size": 16, "overlap": 0})
+    settings.ingest = settings.ingest.model_copy(update={"write_batch": 100_000})  # over Chroma's limit
+    report = run_ingest([corpus], settings, embedder)
+    assert report.failed == [] and report.files_added == 2
+    rows = [meta for _, meta in snapshot(settings, embedder).values()]
+    manual = [meta for meta in rows if meta["doc_id"] == "a_manual.txt"]
+    limit = collection_of(settings, embedder)._client.get_max_batch_size()
+    assert len(manual) == manual[0]["n_chunks"] > limit, (len(manual), limit)
+    assert sorted(m["chunk_index"] for m in manual) == list(range(len(manual)))
+    assert any(meta["doc_id"] == "z_good.md" for meta in rows)
+    assert report.chunks_written == len(rows)
+    assert run_ingest([corpus], settings, embedder).writes == 0
+
+
 def test_ids_are_deterministic_across_fresh_ingests_anywhere(tmp_path, settings_factory, embedder):
     first_corpus = write_corpus(tmp_path / "a" / "corpus")
     second_corpus = tmp_path / "elsewhere" / "copy"

@@ -10,6 +10,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from ingest.pipeline import run_ingest
 from tests.conftest import ROOT
 from tests.test_ingest import snapshot
@@ -35,8 +37,9 @@ def stored_rows(db_path) -> int:
         return 0
 
 
-def test_sigkill_mid_ingest_then_rerun_equals_clean_ingest(tmp_path, settings_factory, embedder):
-    corpus = write_big_corpus(tmp_path / "corpus")
+@pytest.mark.parametrize("files,paragraphs", [(40, 12), (1, 480)], ids=["many-files", "one-big-document"])
+def test_sigkill_mid_ingest_then_rerun_equals_clean_ingest(tmp_path, settings_factory, embedder, files, paragraphs):
+    corpus = write_big_corpus(tmp_path / "corpus", files, paragraphs)
     crashed, clean = settings_factory(path=tmp_path / "crashed"), settings_factory(path=tmp_path / "clean")
     process = subprocess.Popen(
         [sys.executable, "-m", "ingest", str(corpus), "--chroma-path", str(crashed.chroma.path),
