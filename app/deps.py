@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import hmac
 from typing import Annotated
 
 from fastapi import Depends, Request
 
+from app.edge import bearer_ok
 from app.errors import Unauthorized
 from app.metrics import ServiceMetrics
 from app.rag.service import RAGService
@@ -41,9 +41,7 @@ def require_api_key(request: Request, settings: SettingsDep) -> None:
     expected = settings.service.api_key
     if not expected:
         return
-    header = request.headers.get("authorization", "")
-    scheme, _, token = header.partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), expected.encode()):
+    if not bearer_ok(request.headers.get("authorization", ""), expected):
         raise Unauthorized("missing or invalid API key: send 'Authorization: Bearer <RAG_API_KEY>'")
 
 

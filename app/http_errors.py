@@ -10,9 +10,10 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 from app.errors import ServiceError, UpstreamUnavailable
-from app.protocol import error_body
+from app.protocol import INTERNAL_ERROR, error_body
 
 log = logging.getLogger("prefixrag.http")
+HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
 
 
 def error_response(exc: ServiceError) -> JSONResponse:
@@ -31,6 +32,10 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0]
+        if first["type"] == "json_invalid":  # its loc is a character position, not a parameter
+            position = first["loc"][-1]
+            message = f"invalid JSON at character {position}: {first.get('ctx', {}).get('error', first['msg'])}"
+            return JSONResponse(error_body(message, "invalid_request_error", None, "invalid_json"), status_code=400)
         param = ".".join(str(p) for p in first["loc"] if p != "body") or None
         message = f"{param}: {first['msg']}" if param else first["msg"]
         return JSONResponse(error_body(message, "invalid_request_error", param, "invalid_request"), status_code=400)
@@ -38,10 +43,10 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(HTTPException)
     async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
         type_ = "invalid_request_error" if exc.status_code < 500 else "server_error"
-        return JSONResponse(error_body(str(exc.detail), type_, None, None), status_code=exc.status_code)
+        return JSONResponse(error_body(str(exc.detail), type_, None, HTTP_CODES.get(exc.status_code)),
+                            status_code=exc.status_code, headers=exc.headers)  # keeps 405's Allow
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error on %s", request.url.path)
-        return JSONResponse(error_body("internal error; see the service log", "server_error", None, "internal"),
-                            status_code=500)
+        return JSONResponse(INTERNAL_ERROR, status_code=500)

@@ -10,6 +10,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
+from app.edge import RequestEdge
 from app.http_errors import install_error_handlers
 from app.settings import Settings
 
@@ -60,6 +61,7 @@ def create_app(settings: Settings | None = None, *, embedder=None) -> FastAPI:
     app = FastAPI(title="prefixrag", version="0.1.0", lifespan=lifespan,
                   description="Retrieval-augmented answers from vLLM, with prompts built for prefix-cache hits.")
     install_error_handlers(app)
+    app.add_middleware(RequestEdge, max_body_bytes=settings.service.max_body_bytes, api_key=settings.service.api_key)
     from app.routers import ask, health, openai_chat, page
 
     app.include_router(health.router)

@@ -3,9 +3,21 @@
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+
+
+def _valid_unicode(text: str) -> str:
+    """JSON can carry lone surrogates (``"\\ud800"``) that no tokenizer or UTF-8 encoder accepts: refuse them here."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"invalid Unicode: unpaired surrogate at character {exc.start}") from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(_valid_unicode)]
 
 
 # --- errors: {"error": {"message", "type", "param", "code"}} everywhere -------------------------------------
@@ -23,12 +35,12 @@ class ErrorResponse(BaseModel):
 # --- /ask --------------------------------------------------------------------------------------------------
 class AskFilters(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    source_prefix: str | None = Field(None, description="Only chunks whose source path starts with this.")
+    source_prefix: Text | None = Field(None, description="Only chunks whose source path starts with this.")
 
 
 class AskRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    question: str = Field(description="The question, in natural language.")
+    question: Text = Field(description="The question, in natural language.")
     top_k: int | None = Field(None, description="Chunks to retrieve (1..RAG_GENERATION__MAX_TOP_K).")
     filters: AskFilters | None = None
     max_tokens: int | None = Field(None, ge=1, le=32768, description="Cap on answer tokens.")
@@ -82,6 +94,9 @@ def error_body(message: str, type_: str, param: str | None = None, code: str | N
     return ErrorResponse(error=ErrorDetail(message=message, type=type_, param=param, code=code)).model_dump()
 
 
+INTERNAL_ERROR = error_body("internal error; see the service log", "server_error", None, "internal")
+
+
 # --- OpenAI: chat completions ------------------------------------------------------------------------------
 class ContentPart(BaseModel):
     model_config = ConfigDict(extra="ignore")
@@ -93,6 +108,11 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
+
+    @model_validator(mode="after")
+    def _text_is_valid_unicode(self) -> ChatMessage:
+        _valid_unicode(self.text())  # once, on the text the prompt will carry (plain or content parts)
+        return self
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -108,15 +128,15 @@ class StreamOptions(BaseModel):
 class ChatCompletionRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")  # frontends send many optional fields; unknown ones are ignored
     messages: list[ChatMessage] = Field(min_length=1)
-    model: str | None = None
+    model: Text | None = None
     stream: bool = False
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
-    stop: str | list[str] | None = None
+    stop: Text | list[Text] | None = None
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    user: Text | None = None
 
 
 class PromptTokensDetails(BaseModel):

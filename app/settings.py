@@ -115,6 +115,8 @@ class ServiceSettings(BaseModel):
     host: str = Field("127.0.0.1", description="Bind address of the query service.")
     port: int = Field(8080, ge=1, le=65535, description="Port of the query service.")
     api_key: str | None = Field(None, description="Optional Bearer key required on every endpoint but health.")
+    max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024, description="Largest request body accepted (413 above "
+                                "it); checked while the body streams in, after authentication.")
     prompts_dir: Path = Field(Path(__file__).resolve().parent.parent / "prompts", description="Prompt templates.")
     model_id: str = Field("prefixrag", description="Model id the OpenAI-compatible API lists.")
     append_sources: bool = Field(False, description="Append a 'Sources:' list to chat answers for text-only UIs.")

@@ -54,21 +54,25 @@ class Upstream:
         return self.info
 
     def mark_down(self, reason: str) -> None:
-        """Called when a request finds vLLM gone: readiness drops now and the monitor re-probes at once."""
+        """Called when a request finds vLLM gone: readiness drops now and, the first time only, the monitor
+        re-probes at once. Later failures change nothing: probes keep their own pace whatever the request rate."""
+        was_reachable = self.reachable
         self.reachable, self.reason = False, reason
         self.warmup.done = False
-        self._wake.set()
+        if was_reachable:
+            self._wake.set()
 
     async def run_forever(self) -> None:
-        failures = 0
+        failures, last_warning = 0, None
         while True:
             try:
                 await self.refresh()
-                failures = 0
+                failures, last_warning = 0, None
             except ServiceError as exc:
                 failures += 1
                 self.reachable, self.reason, self.warmup.done = False, exc.message, False
-                if failures == 1 or failures % 10 == 0:
+                if exc.message != last_warning:  # once per state change, not once per probe
+                    last_warning = exc.message
                     log.warning("vLLM at %s not ready (attempt %d): %s", self.settings.url, failures, exc.message)
             interval = self.settings.retry_interval_s if not self.ready else self.settings.retry_interval_s * 5
             self._wake.clear()

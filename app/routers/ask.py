@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import AsyncIterator
 
 from fastapi import APIRouter
@@ -11,9 +12,10 @@ from fastapi.responses import StreamingResponse
 from app.deps import Authorized, MetricsDep, ServiceDep
 from app.errors import ServiceError
 from app.llm import Delta
-from app.protocol import AskRequest, AskResponse, AskUsage, ErrorResponse, Source, Timings, error_body
+from app.protocol import AskRequest, AskResponse, AskUsage, ErrorResponse, Source, Timings, INTERNAL_ERROR, error_body
 from app.rag.service import Answer, Query
 
+log = logging.getLogger("prefixrag.ask")
 router = APIRouter(tags=["ask"], dependencies=[Authorized])
 ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 503, 504)}
 
@@ -55,3 +57,6 @@ async def _sse(events: AsyncIterator[Delta | Answer]) -> AsyncIterator[str]:
                 yield f"event: done\ndata: {to_response(event).model_dump_json()}\n\n"
     except ServiceError as exc:
         yield f"event: error\ndata: {json.dumps(error_body(exc.message, exc.type, exc.param, exc.code))}\n\n"
+    except Exception:  # the stream has begun: whatever failed, the client is told, never just cut off
+        log.exception("unhandled error in an /ask stream")
+        yield f"event: error\ndata: {json.dumps(INTERNAL_ERROR)}\n\n"

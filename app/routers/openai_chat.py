@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -14,11 +15,12 @@ from app.deps import Authorized, ServiceDep, SettingsDep
 from app.errors import NotFound, ServiceError
 from app.llm import Delta
 from app.protocol import (AssistantMessage, ChatChoice, ChatCompletion, ChatCompletionChunk, ChatCompletionRequest,
-                          ChatSource, ChatUsage, ChunkChoice, ChunkDelta, ErrorResponse, ModelCard, ModelList,
-                          PromptTokensDetails, error_body)
+                          ChatSource, ChatUsage, ChunkChoice, ChunkDelta, ErrorResponse, INTERNAL_ERROR, ModelCard,
+                          ModelList, PromptTokensDetails, error_body)
 from app.rag.conversation import Turn
 from app.rag.service import Answer, ChatQuery
 
+log = logging.getLogger("prefixrag.chat")
 router = APIRouter(prefix="/v1", tags=["openai"], dependencies=[Authorized])
 ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 404, 503, 504)}
 
@@ -95,4 +97,7 @@ async def _sse(events: AsyncIterator[Delta | Answer], ident: str, created: int, 
     except ServiceError as exc:
         # The openai client raises APIError on an "error" event: the stream ends clearly, never hangs.
         yield f"data: {json.dumps(error_body(exc.message, exc.type, exc.param, exc.code))}\n\n"
+    except Exception:  # the stream has begun: whatever failed, the client is told, never just cut off
+        log.exception("unhandled error in a chat stream")
+        yield f"data: {json.dumps(INTERNAL_ERROR)}\n\n"
     yield "data: [DONE]\n\n"

@@ -1,0 +1,116 @@
+"""Hostile and careless clients at the HTTP edge: authentication before the body, a body-size limit, invalid
+Unicode, invalid JSON, wrong methods, and a request storm while vLLM is down. Real app, vLLM and Chroma."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import pytest
+
+from app.main import create_app
+from tests.servers import AppServer, TcpProxy
+from tests.test_service import app_settings, collections  # noqa: F401  (fixture re-used)
+
+pytestmark = pytest.mark.vllm
+MB = 1024 * 1024
+
+
+@pytest.fixture(scope="module")
+def keyed(collections, vllm_url, embedder):  # noqa: F811
+    settings = app_settings(collections, vllm_url)
+    settings.service.api_key, settings.service.max_body_bytes = "s3cret", 1 * MB
+    with AppServer(create_app(settings, embedder=embedder)) as running:
+        running.wait_ready()
+        yield running
+
+
+def chunked(total: int, piece: int = 64 * 1024):
+    """A body sent without Content-Length (chunked), as a client streaming an upload would."""
+    sent = 0
+    while sent < total:
+        yield b"x" * piece
+        sent += piece
+
+
+def test_no_key_is_401_before_the_body_is_read(keyed):
+    for body in (b"{" + b" " * (20 * MB), b"not json at all"):
+        started = time.monotonic()
+        response = httpx.post(keyed.url + "/ask", content=body, headers={"content-type": "application/json"},
+                              timeout=60)
+        assert response.status_code == 401, response.text
+        assert response.json()["error"]["code"] == "invalid_api_key" and time.monotonic() - started < 5
+    streamed = httpx.post(keyed.url + "/v1/chat/completions", content=chunked(20 * MB), timeout=60)
+    assert streamed.status_code == 401
+
+
+def test_an_oversized_body_is_413_in_openai_shape(keyed):
+    auth = {"authorization": "Bearer s3cret", "content-type": "application/json"}
+    declared = httpx.post(keyed.url + "/ask", content=b" " * (2 * MB), headers=auth, timeout=60)
+    undeclared = httpx.post(keyed.url + "/v1/chat/completions", content=chunked(2 * MB), headers=auth, timeout=60)
+    for response in (declared, undeclared):
+        assert response.status_code == 413, response.text
+        error = response.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"} and error["code"] == "request_too_large"
+    small = httpx.post(keyed.url + "/ask", json={"question": "What do anchors do?"}, headers=auth, timeout=120)
+    assert small.status_code == 200, small.text
+
+
+def test_invalid_json_names_no_parameter(keyed):
+    response = httpx.post(keyed.url + "/ask", content=b'{"question": "hi",,}', timeout=30,
+                          headers={"authorization": "Bearer s3cret", "content-type": "application/json"})
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["param"] is None and error["code"] == "invalid_json" and "character" in error["message"]
+
+
+def test_wrong_method_is_405_with_allow(keyed):
+    response = httpx.get(keyed.url + "/ask", headers={"authorization": "Bearer s3cret"})
+    assert response.status_code == 405 and response.headers["allow"] == "POST"
+    assert response.json()["error"]["code"] == "method_not_allowed"
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/ask", {"question": "What do anchors do?\ud800"}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi \udfff there"}]}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": "\ud800"}]}]}),
+])
+def test_a_lone_surrogate_is_400_streamed_or_not(keyed, path, body):
+    headers = {"authorization": "Bearer s3cret", "content-type": "application/json"}
+    for stream in (False, True):  # json.dumps escapes the surrogate ("\ud800"), as a JavaScript client would
+        response = httpx.post(keyed.url + path, content=json.dumps(body | {"stream": stream}), headers=headers,
+                              timeout=60)
+        assert response.status_code == 400, response.text
+        assert "invalid Unicode" in response.json()["error"]["message"]
+
+
+def test_failing_requests_do_not_speed_up_the_vllm_probes(collections, vllm_url, embedder, caplog):  # noqa: F811
+    vllm_port = int(vllm_url.rsplit(":", 1)[1].split("/")[0])
+    proxy = TcpProxy(vllm_port)
+    proxy.up()
+    settings = app_settings(collections, f"http://127.0.0.1:{proxy.port}/v1")
+    settings.vllm.retry_interval_s = 1.0
+    app = create_app(settings, embedder=embedder)
+    with AppServer(app) as server:
+        server.wait_ready()
+        upstream = app.state.upstream
+        probes, refresh = [], upstream.refresh
+
+        async def counted_refresh():
+            probes.append(time.monotonic())
+            await refresh()
+
+        upstream.refresh = counted_refresh
+        proxy.down()
+        started = time.monotonic()
+        statuses = [httpx.post(server.url + "/ask", json={"question": "What do anchors do?"}, timeout=30).status_code
+                    for _ in range(40)]
+        elapsed = time.monotonic() - started
+        proxy.up()
+        server.wait_ready(30)
+    assert set(statuses) == {503}
+    # One immediate re-probe when vLLM is first found gone, then the monitor's own 1 s pace.
+    assert len([p for p in probes if p <= started + elapsed]) <= elapsed / 1.0 + 2, (len(probes), elapsed)
+    warnings = [r for r in caplog.records if r.name == "prefixrag.upstream" and r.levelname == "WARNING"]
+    assert len(warnings) <= 2, [r.getMessage() for r in warnings]
