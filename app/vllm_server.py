@@ -10,6 +10,7 @@ import argparse
 import os
 import shlex
 import sys
+from pathlib import Path
 
 from app.settings import Settings, VLLMServerSettings
 
@@ -42,24 +43,32 @@ def resolve_model(cfg: VLLMServerSettings) -> tuple[str, str, list[str]]:
     return cfg.model, cfg.served_model_name or cfg.model, []
 
 
+# The CPU backend's defaults are ours (measured on 2 cores); on a GPU vLLM's own defaults fit the device better.
+CPU_DEFAULTS = {"max_num_batched_tokens": 2048, "max_num_seqs": 16, "enforce_eager": True}
+
+
 def build_command(cfg: VLLMServerSettings, gpu: bool) -> tuple[list[str], dict[str, str]]:
     model, served_name, model_flags = resolve_model(cfg)
+    if cfg.load_format and "--load-format" not in model_flags:
+        model_flags += ["--load-format", cfg.load_format]
     # No phoning home; and a model we wrote to a local folder must never make vLLM reach for the Hub.
     quiet = {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
-    if cfg.test_model or cfg.model == "smollm2":
+    if cfg.test_model or cfg.model == "smollm2" or Path(model).is_dir():
         quiet |= {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     argv = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
         "--model", model, "--served-model-name", served_name, "--host", cfg.host, "--port", str(cfg.port),
         "--max-model-len", str(cfg.max_model_len), "--enable-prefix-caching", "--enable-chunked-prefill",
-        "--max-num-batched-tokens", str(cfg.max_num_batched_tokens), "--max-num-seqs", str(cfg.max_num_seqs),
         "--dtype", cfg.dtype, "--enable-prompt-tokens-details", *model_flags,
     ]
-    if cfg.block_size:
-        argv += ["--block-size", str(cfg.block_size)]
+    defaults = {} if gpu else CPU_DEFAULTS
+    for field in ("max_num_batched_tokens", "max_num_seqs", "block_size"):
+        value = getattr(cfg, field) or defaults.get(field)
+        if value:
+            argv += [f"--{field.replace('_', '-')}", str(value)]
     if cfg.quantization:
         argv += ["--quantization", cfg.quantization]
-    if cfg.enforce_eager:
+    if cfg.enforce_eager if cfg.enforce_eager is not None else defaults.get("enforce_eager", False):
         argv += ["--enforce-eager"]
     env = quiet | ({"VLLM_SERVER_DEV_MODE": "1"} if cfg.dev_mode else {})
     if gpu:
@@ -80,6 +89,10 @@ def parse_args(argv: list[str] | None) -> tuple[VLLMServerSettings, bool]:
     parser.add_argument("--port", type=int, help=f"port (default {cfg.port})")
     parser.add_argument("--host", help=f"bind address (default {cfg.host})")
     parser.add_argument("--max-model-len", type=int, help=f"context window (default {cfg.max_model_len})")
+    parser.add_argument("--load-format", help="vLLM --load-format ('dummy': random weights, real shape)")
+    parser.add_argument("--block-size", type=int, help="KV block size in tokens (default: the backend's)")
+    parser.add_argument("--gpu-memory-utilization", type=float,
+                        help=f"share of GPU memory vLLM may take (default {cfg.gpu_memory_utilization})")
     parser.add_argument("--dev-mode", action="store_true", help="enable /reset_prefix_cache (benchmarks)")
     parser.add_argument("--dry-run", action="store_true", help="print the command, do not run it")
     parser.add_argument("extra", nargs=argparse.REMAINDER, help="after --: passed to vLLM verbatim")

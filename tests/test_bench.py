@@ -68,12 +68,24 @@ def test_harness_end_to_end_on_a_tiny_slice(tmp_path, vllm_url):
     assert modes["naive-matched"]["recall"] >= modes["prefixrag"]["recall"] or modes["naive-matched"]["k"] == 100
     # prefixrag's fixed system prompt alone is over one 128-token block: it must hit where naive cannot.
     assert modes["prefixrag"]["hit_rate"] > modes["naive"]["hit_rate"]
-    dumped = [json.loads(line) for line in (tmp_path / "prompts" / "prefixrag.jsonl").read_text().splitlines()]
+    from bench.replay import load_rows, main as replay
+
+    dumped = load_rows(tmp_path / "prompts" / "prefixrag.jsonl.gz")
     assert len([row for row in dumped if not row.get("warmup")]) == 10 and dumped[-1]["prompt_token_ids"]
     assert any(row.get("warmup") for row in dumped)  # the pre-warm travels with the stream
 
-    from bench.replay import main as replay
+    assert replay(["--prompts", str(tmp_path / "prompts"), "--vllm-url", vllm_url, "--concurrency", "1,3",
+                   "--modes", "prefixrag,naive", "--label", "tiny"]) == 0
+    replayed = json.loads((tmp_path / "prompts" / "replay.json").read_text())
+    runs = {(r["mode"], r["concurrency"]): r for r in replayed["results"]}
+    assert list(runs) == [("prefixrag", 1), ("prefixrag", 3), ("naive", 1), ("naive", 3)]
+    for (mode, _), r in runs.items():
+        assert r["errors"] == 0 and r["questions"] == 10 and r["ceiling"] == modes[mode]["ceiling"]
+        assert r["server_ms"]["ttft_mean_ms"] > 0  # vLLM's own histogram moved: the replay reached the engine
+    assert runs[("prefixrag", 3)]["hit_rate"] > runs[("naive", 3)]["hit_rate"]
+    assert replayed["server"]["block_size"] == 128 and replayed["server"]["vllm_version"]
 
-    assert replay(["--prompts", str(tmp_path / "prompts"), "--vllm-url", vllm_url]) == 0
-    replayed = json.loads((tmp_path / "prompts" / "replay.json").read_text())["results"]
-    assert replayed["prefixrag"]["errors"] == 0 and replayed["prefixrag"]["ceiling"] == modes["prefixrag"]["ceiling"]
+    from bench.report import report
+
+    table = report(tmp_path / "prompts" / "replay.json")
+    assert "bench.replay" in table and table.count("\n| `") == 4
