@@ -29,9 +29,9 @@ def load_file(path: Path, rel: str, parent_field: str | None = None, raw: bytes 
     suffix = path.suffix.lower()
     if suffix == ".pdf":
         return [_load_pdf(raw, rel)]
+    if suffix == ".jsonl":  # decoded line by line: one bad line costs that record, not the file
+        return _load_jsonl(raw.removeprefix(b"\xef\xbb\xbf"), rel, parent_field)
     text = decode_text(raw)
-    if suffix == ".jsonl":
-        return _load_jsonl(text, rel, parent_field)
     if suffix in HTML_EXTENSIONS:
         title, blocks = html_to_blocks(text)
         return [_single(rel, title or Path(rel).stem, blocks, "html")]
@@ -98,17 +98,17 @@ def _load_pdf(raw: bytes, rel: str) -> SourceDocument:
     return document
 
 
-def _load_jsonl(text: str, rel: str, parent_field: str | None) -> list[SourceDocument]:
+def _load_jsonl(raw: bytes, rel: str, parent_field: str | None) -> list[SourceDocument]:
     """One document per record; records sharing a parent key are that parent's sections, in file order."""
     documents, positions, problems, seen = [], {}, [], set()
-    for number, line in enumerate(text.splitlines(), 1):
+    for number, line in enumerate(raw.splitlines(), 1):
         if not line.strip():
             continue
         try:
-            record = json.loads(line)
+            record = json.loads(decode_text(line))
             document = _record_document(record, rel, parent_field)
-        except (json.JSONDecodeError, LoadError) as exc:
-            problems.append(f"line {number}: {exc}")
+        except (ValueError, LoadError, RecursionError) as exc:  # JSON errors are ValueErrors; deep nesting recurses
+            problems.append(f"line {number}: {type(exc).__name__ if isinstance(exc, RecursionError) else exc}")
             continue
         if document.doc_id in seen:
             problems.append(f"line {number}: duplicate id {document.doc_id!r} (first one kept)")
@@ -123,18 +123,29 @@ def _load_jsonl(text: str, rel: str, parent_field: str | None) -> list[SourceDoc
     return documents
 
 
+def _scalar(value) -> bool:
+    return isinstance(value, str | int) and not isinstance(value, bool)
+
+
 def _record_document(record, rel: str, parent_field: str | None) -> SourceDocument:
     if not isinstance(record, dict):
         raise LoadError("record is not a JSON object")
     record_id = next((record[f] for f in ID_FIELDS if record.get(f) not in (None, "")), None)
     if record_id is None:
         raise LoadError(f"record has none of the id fields {ID_FIELDS}")
+    if not _scalar(record_id):
+        raise LoadError(f"record id must be a string or an integer, not {type(record_id).__name__}")
     body = record.get("text")
     if not isinstance(body, str) or not body.strip():
         raise LoadError(f"record {record_id!r} has no text")
     title = str(record.get("title") or "")
     fields = (parent_field,) if parent_field else PARENT_FIELDS
-    parent = next((record[f] for f in fields if record.get(f) not in (None, "")), record_id)
+    parent = next((record[f] for f in fields if _scalar(record.get(f)) and record.get(f) != ""), record_id)
+    for value in (body, title, str(record_id), str(parent)):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:  # a JSON escape like "\ud800": no tokenizer or store accepts it
+            raise LoadError(f"record {record_id!r}: text is not valid Unicode (lone surrogate)") from None
     sections = sections_from_blocks([((), body, None)])
     return SourceDocument(doc_id=str(record_id), source=rel, title=title, sections=sections,
                           parent_id=str(parent), kind="jsonl")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import stat
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -43,23 +44,40 @@ class FileResult:
     plans: list[tuple[SourceDocument, str, list[Chunk] | None]] = field(default_factory=list)  # doc, hash, chunks
 
 
-def discover(roots: list[Path]) -> tuple[list[tuple[Path, str]], int]:
-    """Supported files under the roots, sorted (deterministic order), and how many were skipped as unknown."""
-    found, unknown = [], 0
+def discover(roots: list[Path]) -> tuple[list[tuple[Path, str]], int, list[dict]]:
+    """Supported files under the roots, sorted (deterministic order); how many were skipped as unknown; and the
+    entries that are no readable file (dangling or looping links, FIFOs, linked folders), each with why."""
+    found, unknown, unreadable = [], 0, []
     for root in roots:
         if not root.exists():
             raise FileNotFoundError(f"no such file or directory: {root}")
         base = root.parent if root.is_file() else root
-        candidates = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file())
-        for path in candidates:
+        for path in [root] if root.is_file() else sorted(root.rglob("*")):
             rel = path.relative_to(base).as_posix()
             if any(part.startswith(".") for part in Path(rel).parts):
                 continue  # hidden files and folders (.git, editor swap files)
-            if is_supported(path):
+            if path.is_dir() and not path.is_symlink():
+                continue
+            if not path.is_file():
+                unreadable.append({"path": rel, "reason": not_a_file(path)})
+            elif is_supported(path):
                 found.append((path, rel))
             else:
                 unknown += 1
-    return found, unknown
+    return found, unknown, unreadable
+
+
+def not_a_file(path: Path) -> str:
+    if path.is_symlink():
+        try:
+            target = path.resolve(strict=True)
+        except FileNotFoundError:
+            return "dangling symbolic link"
+        except (OSError, RuntimeError):
+            return "symbolic link loop"
+        return "symbolic link to a folder (not followed)" if target.is_dir() else "not a regular file"
+    mode = path.lstat().st_mode
+    return "FIFO (named pipe), not a regular file" if stat.S_ISFIFO(mode) else "not a regular file"
 
 
 def load(path: Path, rel: str, settings: Settings, identity: str, stored_by_source: dict) -> FileResult:
@@ -104,7 +122,7 @@ def run_ingest(roots: list[Path], settings: Settings, embedder, *, prune: bool =
     started = time.perf_counter()
     progress = progress or Progress(enabled=False)
     report = IngestReport(dry_run=dry_run)
-    files, report.skipped_unknown = discover(roots)
+    files, report.skipped_unknown, report.skipped_unreadable = discover(roots)
     report.files_seen = len(files)
     with write_lock(settings.chroma, settings.ingest.lock_timeout_s):
         collection = _open_for(settings, embedder, dry_run)

@@ -17,6 +17,7 @@ class IngestReport:
     files_removed: int = 0
     documents_removed: int = 0
     skipped_unknown: int = 0
+    skipped_unreadable: list[dict] = field(default_factory=list)  # no regular file: dangling links, FIFOs ...
     failed: list[dict] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     chunks_written: int = 0
@@ -37,11 +38,12 @@ class IngestReport:
         lines = [
             f"files: {self.files_seen} seen, {self.files_added} added, {self.files_updated} updated, "
             f"{self.files_unchanged} unchanged, {self.files_removed} removed, {len(self.failed)} failed, "
-            f"{self.skipped_unknown} skipped (unknown type)",
+            f"{self.skipped_unknown} skipped (unknown type), {len(self.skipped_unreadable)} skipped (not a file)",
             f"chunks: {verb} {self.chunks_written} ({self.chunks_embedded} embedded), "
             f"deleted {self.chunks_deleted}; {self.seconds:.1f}s",
         ]
         lines += [f"failed: {f['path']}: {f['reason']}" for f in self.failed]
+        lines += [f"skipped: {f['path']}: {f['reason']}" for f in self.skipped_unreadable]
         lines += [f"warning: {w}" for w in self.warnings[:20]]
         if len(self.warnings) > 20:
             lines.append(f"... and {len(self.warnings) - 20} more warnings (see --json)")

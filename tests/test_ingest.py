@@ -210,3 +210,39 @@ def test_chroma_server_mode(tmp_path, chroma_server, embedder, settings_factory)
     settings = settings_factory(collection="server-docs")
     settings.chroma.url = chroma_server
     assert collection_of(settings, embedder).count() == first["chunks_written"]
+
+
+def test_a_bad_jsonl_line_costs_that_record_only(tmp_path, settings_factory, embedder):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    lines = [b'{"id": "good1", "text": "Lighthouses guide ships at night."}',
+             b'{"id": "bad-utf8", "text": "caf\xe9"}',                       # not UTF-8
+             b"[" * 100_000,                                                  # nested past the recursion limit
+             b'{"id": {"nested": 1}, "text": "an id that is an object"}',    # not a usable id
+             b'{"id": "surrogate", "text": "broken \\ud800 text"}',           # valid JSON, invalid Unicode
+             b'{"id": "good2", "text": "Buoys mark the channel."}']
+    (corpus / "records.jsonl").write_bytes(b"\n".join(lines) + b"\n")
+    settings = settings_factory()
+    report = run_ingest([corpus], settings, embedder)
+    assert report.failed == [] and report.files_added == 1
+    assert {meta["doc_id"] for _, meta in snapshot(settings, embedder).values()} == {"good1", "good2"}
+    problems = " | ".join(report.warnings)
+    for number, reason in ((2, "UTF-8"), (3, "RecursionError"), (4, "string or an integer"), (5, "Unicode")):
+        assert f"line {number}: " in problems and reason in problems, problems
+
+
+def test_entries_that_are_no_file_are_reported_not_silently_skipped(tmp_path, settings_factory, embedder):
+    import os
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "good.md").write_text("# Tides\n\nTides follow the moon.\n")
+    (corpus / "dangling.md").symlink_to(corpus / "missing.md")
+    (corpus / "loop.md").symlink_to(corpus / "loop.md")
+    os.mkfifo(corpus / "pipe.txt")
+    settings = settings_factory()
+    report = run_ingest([corpus], settings, embedder)
+    reasons = {entry["path"]: entry["reason"] for entry in report.skipped_unreadable}
+    assert reasons == {"dangling.md": "dangling symbolic link", "loop.md": "symbolic link loop",
+                       "pipe.txt": "FIFO (named pipe), not a regular file"}
+    assert report.files_added == 1 and "skipped: pipe.txt: FIFO" in report.summary()
