@@ -102,7 +102,11 @@ class GenerationSettings(BaseModel):
     temperature: float = Field(0.0, ge=0, le=2, description="Sampling temperature.")
     repetition_penalty: float | None = Field(
         None, gt=0, description="vLLM repetition_penalty (small models loop without one; e.g. 1.2 for SmolLM2).")
-    max_question_chars: int = Field(4000, ge=1, description="Longest accepted question, in characters.")
+    max_question_chars: int = Field(4000, ge=1, description="Longest accepted question (each user turn of a "
+                                    "chat too), in characters.")
+    max_chat_messages: int = Field(64, ge=1, description="Most user + assistant messages a chat request may carry.")
+    max_chat_chars: int = Field(64_000, ge=1, description="Most characters all messages of a chat request may carry "
+                                "together (system included).")
     strategy: Literal["canonical", "document", "reuse", "corpus", "auto"] = Field(
         "auto", description="How retrieved context becomes the prompt (see README: strategies).")
     max_units: int | None = Field(None, ge=1, description="document strategy: cap on units per prompt (None: no cap).")

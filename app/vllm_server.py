@@ -76,7 +76,9 @@ def build_command(cfg: VLLMServerSettings, gpu: bool) -> tuple[list[str], dict[s
                  "--tensor-parallel-size", str(cfg.tensor_parallel_size)]
     else:
         # CPU backend: KV cache size is set in GiB; on small machines reserving no core halves prefill time.
-        env |= {"VLLM_CPU_KVCACHE_SPACE": str(cfg.cpu_kvcache_space_gib), "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+        # A value the user exported wins over ours.
+        env |= {k: v for k, v in {"VLLM_CPU_KVCACHE_SPACE": str(cfg.cpu_kvcache_space_gib),
+                                  "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}.items() if k not in os.environ}
     return argv + list(cfg.extra_args), env
 
 

@@ -114,3 +114,25 @@ def test_failing_requests_do_not_speed_up_the_vllm_probes(collections, vllm_url,
     assert len([p for p in probes if p <= started + elapsed]) <= elapsed / 1.0 + 2, (len(probes), elapsed)
     warnings = [r for r in caplog.records if r.name == "prefixrag.upstream" and r.levelname == "WARNING"]
     assert len(warnings) <= 2, [r.getMessage() for r in warnings]
+
+
+def test_readyz_details_need_the_key(keyed):
+    anonymous = httpx.get(keyed.url + "/readyz")
+    assert anonymous.status_code == 200 and anonymous.json() == {"ready": True, "reason": "ready"}
+    detailed = httpx.get(keyed.url + "/readyz", headers={"authorization": "Bearer s3cret"}).json()
+    assert detailed["vllm"]["max_model_len"] and detailed["vllm_url"]
+
+
+@pytest.mark.parametrize("messages, code", [
+    ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}] * 40
+     + [{"role": "user", "content": "and?"}], "too_many_messages"),
+    ([{"role": "user", "content": "q"}, {"role": "assistant", "content": "a" * 70_000},
+      {"role": "user", "content": "and?"}], "conversation_too_long"),
+    ([{"role": "user", "content": "x" * 5000}, {"role": "assistant", "content": "ok"},
+      {"role": "user", "content": "and?"}], "question_too_long"),
+])
+def test_chat_size_limits_apply_to_the_whole_conversation(keyed, messages, code):
+    response = httpx.post(keyed.url + "/v1/chat/completions", json={"messages": messages}, timeout=60,
+                          headers={"authorization": "Bearer s3cret"})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["code"] == code

@@ -65,3 +65,10 @@ def test_launcher_cli_prints_the_command_and_has_help(tmp_path):
         helped = subprocess.run([sys.executable, "-m", module, "--help"], cwd=ROOT, capture_output=True, text=True,
                                 timeout=120)
         assert helped.returncode == 0 and "usage:" in helped.stdout
+
+
+def test_a_kv_cache_size_the_user_exported_wins(tmp_path, monkeypatch):
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "9")
+    _, env = build_command(VLLMServerSettings(model=str(tmp_path)), gpu=False)
+    assert "VLLM_CPU_KVCACHE_SPACE" not in env  # not overridden: the child inherits the user's 9
+    assert env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0"

@@ -82,6 +82,10 @@ class PromptBuilder:
     def question(self, question: str) -> str:
         return self.templates.render("question", "text", question=inert(question))
 
+    def assistant(self, text: str) -> str:
+        """An earlier answer as the client sends it back: untrusted text, so inert."""
+        return inert(text)
+
     def messages(self, ordered: list[ContextChunk], question: str) -> list[dict[str, str]]:
         return [
             {"role": "system", "content": self.system_prompt},

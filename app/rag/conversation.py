@@ -43,8 +43,8 @@ def conversation_messages(builder: PromptBuilder, turns: list[Turn], contexts: l
     messages = [{"role": "system", "content": builder.system_prompt}]
     user_index = 0
     for turn in turns:
-        if turn.role != "user":
-            messages.append({"role": turn.role, "content": turn.content})
+        if turn.role != "user":  # client-supplied too: neutralised like documents and questions
+            messages.append({"role": turn.role, "content": builder.assistant(turn.content)})
             continue
         context = contexts[user_index]
         # The first turn always has a context block (as /ask does, so both share one cached prefix).

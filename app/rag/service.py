@@ -206,11 +206,20 @@ class RAGService:
         """Bad conversations are 400s before any streaming starts."""
         if not chat.turns or chat.turns[-1].role != "user":
             raise BadRequest("the last message must be a user message", param="messages", code="invalid_messages")
+        limits = self.settings
+        if len(chat.turns) > limits.max_chat_messages:
+            raise BadRequest(f"{len(chat.turns)} messages; the limit is {limits.max_chat_messages}",
+                             param="messages", code="too_many_messages")
+        size = len(chat.system) + sum(len(turn.content) for turn in chat.turns)
+        if size > limits.max_chat_chars:
+            raise BadRequest(f"the messages hold {size} characters; the limit is {limits.max_chat_chars}",
+                             param="messages", code="conversation_too_long")
         for number, turn in enumerate(chat.turns):
-            if turn.role == "user" and not turn.content.strip():
-                raise BadRequest(f"messages[{number}]: user content must be non-empty text", param="messages",
-                                 code="empty_question")
-        self.validate(Query(chat.turns[-1].content, chat.top_k, None, chat.max_tokens))
+            if turn.role == "user":  # every question is retrieved for, not only the last: each is checked
+                try:
+                    self.validate(Query(turn.content, chat.top_k, None, chat.max_tokens))
+                except BadRequest as exc:
+                    raise BadRequest(f"messages[{number}]: {exc.message}", param="messages", code=exc.code) from None
 
     async def chat(self, chat: ChatQuery) -> Answer:
         return await _final(self.chat_stream(chat))

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from app.deps import Authorized, MetricsDep, UpstreamDep
+from app.deps import Authorized, MetricsDep, SettingsDep, UpstreamDep
+from app.edge import bearer_ok
 
 router = APIRouter(tags=["health"])
 
@@ -17,8 +18,13 @@ async def healthz() -> dict:
 
 
 @router.get("/readyz")
-async def readyz(upstream: UpstreamDep) -> JSONResponse:
+async def readyz(request: Request, upstream: UpstreamDep, settings: SettingsDep) -> JSONResponse:
+    """Open to probes without a key; with RAG_API_KEY set, only a caller holding the key sees the details
+    (vLLM's URL, model, window, KV size, warm-up progress)."""
     status = upstream.status()
+    key = settings.service.api_key
+    if key and not bearer_ok(request.headers.get("authorization", ""), key):
+        status = {"ready": status["ready"], "reason": "ready" if status["ready"] else "not ready"}
     return JSONResponse(status, status_code=200 if status["ready"] else 503)
 
 
