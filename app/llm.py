@@ -91,6 +91,15 @@ class LLMClient:
             response.raise_for_status()
             return response.json()["data"]
 
+    async def special_tokens(self) -> list[str]:
+        """The served tokenizer's special tokens, from vLLM's ``/tokenizer_info`` (started with
+        ``--enable-tokenizer-info-endpoint``, as ``python -m app.vllm_server`` does); [] where it is off."""
+        with upstream_errors():
+            response = await self.http.get("/tokenizer_info")
+        if response.status_code != 200:
+            return []
+        return special_tokens_of(response.json())
+
     async def metrics_text(self) -> str:
         with upstream_errors():
             response = await self.http.get("/metrics")
@@ -155,3 +164,16 @@ def metric_total(metrics_text: str, name: str) -> float:
         if line.startswith(name + "{") or line.startswith(name + " "):
             total += float(line.rsplit(" ", 1)[1])
     return total
+
+
+def special_tokens_of(info: dict) -> list[str]:
+    """Special-token strings in a tokenizer's config: ``*_token`` fields, ``additional_special_tokens`` and the
+    added tokens (each a string, or a dict with ``content``)."""
+    def text(value) -> str | None:
+        value = value.get("content") if isinstance(value, dict) else value
+        return value if isinstance(value, str) and value else None
+
+    found = [info[key] for key in info if key.endswith("_token")]
+    found += list(info.get("additional_special_tokens") or [])
+    found += list((info.get("added_tokens_decoder") or {}).values())
+    return sorted({t for t in map(text, found) if t})

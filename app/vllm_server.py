@@ -59,7 +59,9 @@ def build_command(cfg: VLLMServerSettings, gpu: bool) -> tuple[list[str], dict[s
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
         "--model", model, "--served-model-name", served_name, "--host", cfg.host, "--port", str(cfg.port),
         "--max-model-len", str(cfg.max_model_len), "--enable-prefix-caching", "--enable-chunked-prefill",
-        "--dtype", cfg.dtype, "--enable-prompt-tokens-details", *model_flags,
+        "--dtype", cfg.dtype, "--enable-prompt-tokens-details",
+        "--enable-tokenizer-info-endpoint",  # the service reads the special tokens to keep out of documents
+        *model_flags,
     ]
     defaults = {} if gpu else CPU_DEFAULTS
     for field in ("max_num_batched_tokens", "max_num_seqs", "block_size"):

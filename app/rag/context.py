@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 
-from app.rag.prompts import PromptTemplates, attribute, inert
+from app.rag.prompts import Neutraliser, PromptTemplates
 
 
 @dataclass(frozen=True)
@@ -52,21 +52,24 @@ def canonical(chunks: list[ContextChunk]) -> list[ContextChunk]:
 class PromptBuilder:
     def __init__(self, templates: PromptTemplates) -> None:
         self.templates = templates
+        self.inert = Neutraliser()  # every untrusted text goes through it; it learns the served special tokens
 
     @cached_property
     def system_prompt(self) -> str:
         return self.templates.render("system", "text")
 
     def render_chunk(self, chunk: ContextChunk) -> str:
+        attribute = self.inert.attribute
         return self.templates.render("context", "document", id=attribute(chunk.cite_id),
                                      title=attribute(chunk.title), headings=attribute(chunk.headings),
-                                     text=inert(chunk.text))
+                                     text=self.inert(chunk.text))
 
     def render_unit(self, unit: list[ContextChunk]) -> str:
         """A unit is one document in the prompt: one header, its chunks' text in natural order (headings are part
         of that text), so a 40-paragraph article does not pay 40 headers."""
+        attribute = self.inert.attribute
         return self.templates.render("context", "unit", id=attribute(unit[0].unit), title=attribute(unit[0].title),
-                                     text=inert(unit_text(unit)))
+                                     text=self.inert(unit_text(unit)))
 
     def context_block(self, ordered: list[ContextChunk]) -> str:
         """Render chunks in the order given (callers pass canonical or strategy order, never relevance)."""
@@ -77,14 +80,14 @@ class PromptBuilder:
         return self.templates.render("context", "block", documents="".join(parts))
 
     def client_instructions(self, text: str) -> str:
-        return self.templates.render("question", "client_instructions", instructions=inert(text))
+        return self.templates.render("question", "client_instructions", instructions=self.inert(text))
 
     def question(self, question: str) -> str:
-        return self.templates.render("question", "text", question=inert(question))
+        return self.templates.render("question", "text", question=self.inert(question))
 
     def assistant(self, text: str) -> str:
         """An earlier answer as the client sends it back: untrusted text, so inert."""
-        return inert(text)
+        return self.inert(text)
 
     def messages(self, ordered: list[ContextChunk], question: str) -> list[dict[str, str]]:
         return [

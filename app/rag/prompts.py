@@ -33,8 +33,27 @@ def inert(text: str) -> str:
     return _DELIMITER.sub(lambda m: f"&lt;{m.group(1)}{m.group(2)}", text)
 
 
-def attribute(text: str) -> str:
-    return inert(text).replace('"', "&quot;").replace("\n", " ")
+class Neutraliser:
+    """``inert`` plus the served model's own special tokens (``[SEP]``, ``<s>``, ``[INST]``, ``<start_of_turn>``
+    ...), as vLLM's tokenizer lists them: each is broken by a zero-width space, so text can never carry one."""
+
+    def __init__(self) -> None:
+        self.tokens: tuple[str, ...] = ()
+        self._pattern: re.Pattern | None = None
+
+    def use(self, tokens) -> None:
+        """Adopt the served tokenizer's special tokens (idempotent; called whenever vLLM (re)appears)."""
+        wanted = tuple(sorted({t for t in tokens if len(t.strip()) > 1}, key=lambda t: (-len(t), t)))
+        if wanted != self.tokens:
+            self.tokens = wanted
+            self._pattern = re.compile("|".join(map(re.escape, wanted)), re.IGNORECASE) if wanted else None
+
+    def __call__(self, text: str) -> str:
+        text = inert(text)
+        return self._pattern.sub(lambda m: m.group(0)[0] + "\u200b" + m.group(0)[1:], text) if self._pattern else text
+
+    def attribute(self, text: str) -> str:
+        return self(text).replace('"', "&quot;").replace("\n", " ")
 
 
 @dataclass(frozen=True)

@@ -118,6 +118,7 @@ class RAGService:
     async def _answer_stream(self, query: Query) -> AsyncIterator[Delta | Answer]:
         question, top_k, max_tokens = self.validate(query)
         info = self.upstream.require()
+        self.builder.inert.use(info.special_tokens)
         clock = Clock(query.received_at)
         ranked = await self.retriever.retrieve(question, top_k, query.source_prefix)
         clock.mark("retrieve")
@@ -146,6 +147,7 @@ class RAGService:
         questions = [turn.content for turn in chat.turns if turn.role == "user"]
         _, top_k, max_tokens = self.validate(Query(questions[-1], chat.top_k, None, chat.max_tokens))
         info = self.upstream.require()
+        self.builder.inert.use(info.special_tokens)
         clock = Clock(chat.received_at)
         retrieved = [await self._retrieve_cached(q, top_k, chat.source_prefix) for q in questions]
         clock.mark("retrieve")
@@ -260,7 +262,9 @@ class RAGService:
 
     async def warm(self) -> WarmupStatus:
         """Pre-warm for the configured strategy (see ``ContextPlanner.warm``); metrics record the prefix."""
-        status = await self.planner.warm(self.upstream.require())
+        info = self.upstream.require()
+        self.builder.inert.use(info.special_tokens)  # before any unit is rendered for the cache
+        status = await self.planner.warm(info)
         self.metrics.warmup_tokens.set(status.tokens)
         return status
 

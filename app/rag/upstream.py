@@ -23,6 +23,7 @@ class UpstreamInfo:
     block_size: int
     prefix_caching: bool
     kv_cache_tokens: int
+    special_tokens: tuple[str, ...] = ()  # the served tokenizer's, kept out of untrusted text
 
 
 @dataclass
@@ -84,7 +85,11 @@ class Upstream:
     async def refresh(self) -> None:
         models = await self.llm.list_models()
         metrics = await self.llm.metrics_text()
-        self.info = self._read_info(models, metrics)
+        info = self._read_info(models, metrics)
+        # Read once per (re)appearance of vLLM, not on every probe: a restart may serve another model.
+        known = self.info if self.reachable and self.info and self.info.model == info.model else None
+        info.special_tokens = known.special_tokens if known else tuple(await self.llm.special_tokens())
+        self.info = info
         self.llm.model = self.info.model
         queries = metric_total(metrics, "vllm:prefix_cache_queries_total")
         if queries < self._queries_seen:
