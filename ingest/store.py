@@ -33,7 +33,8 @@ class LockBusy(StoreError):
     """Another ingest holds the on-disk collection's write lock."""
 
 
-def open_client(cfg: ChromaSettings):
+def open_client(cfg: ChromaSettings, create: bool = True):
+    """``create=False`` (the service): an on-disk store that is not there is missing, never made anew empty."""
     import chromadb
     from chromadb.config import Settings as ChromaClientSettings
 
@@ -44,6 +45,8 @@ def open_client(cfg: ChromaSettings):
             return chromadb.HttpClient(host=parsed.hostname or "127.0.0.1",
                                        port=parsed.port or (443 if parsed.scheme == "https" else 80),
                                        ssl=parsed.scheme == "https", settings=client_settings)
+        if not create and not (cfg.path / "chroma.sqlite3").exists():
+            raise CollectionMissing(f"no Chroma store at {cfg.path}: ingest documents first (python -m ingest DIR)")
         cfg.path.mkdir(parents=True, exist_ok=True)
         return chromadb.PersistentClient(path=str(cfg.path), settings=client_settings)
     except StoreError:
@@ -54,7 +57,7 @@ def open_client(cfg: ChromaSettings):
 
 
 def open_collection(cfg: ChromaSettings, embedder_name: str, dimension: int, create: bool):
-    client = open_client(cfg)
+    client = open_client(cfg, create)
     try:
         if create:
             collection = client.get_or_create_collection(

@@ -157,3 +157,33 @@ def test_the_served_tokenizers_special_tokens_cannot_enter_through_text(keyed):
 
     assert sep_count(hostile) >= 1  # the control: as plain text it IS the special token
     assert all(sep_count(m["content"]) == 0 for m in messages)
+
+
+def test_a_store_that_is_not_there_is_503_and_never_recreated_empty(tmp_path, vllm_url, embedder):
+    import shutil
+
+    from ingest.pipeline import run_ingest
+
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "anchors.md").write_text("Anchors hold a ship in place.\n")
+    store = tmp_path / "store"
+    settings = app_settings(store, vllm_url, collection="docs")
+    settings.chroma.poll_s = 0.2
+    run_ingest([docs], settings, embedder)
+    never = app_settings(tmp_path / "never-ingested", vllm_url, collection="docs")
+    with AppServer(create_app(never, embedder=embedder)) as server:
+        response = httpx.post(server.url + "/ask", json={"question": "What do anchors do?"}, timeout=60)
+        assert response.status_code == 503 and response.json()["error"]["code"] == "collection_unavailable"
+    assert not (tmp_path / "never-ingested").exists()
+    with AppServer(create_app(settings, embedder=embedder)) as server:
+        server.wait_ready()
+        assert httpx.post(server.url + "/ask", json={"question": "What do anchors do?"}, timeout=60).status_code == 200
+        shutil.rmtree(store)
+        deadline = time.monotonic() + 20
+        while (response := httpx.post(server.url + "/ask", json={"question": "What do anchors do?"},
+                                      timeout=60)).status_code == 200:
+            assert time.monotonic() < deadline, "still answering from a deleted store"
+            time.sleep(0.3)
+        assert response.status_code == 503 and response.json()["error"]["code"] == "collection_unavailable"
+    assert not store.exists()

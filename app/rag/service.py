@@ -243,9 +243,13 @@ class RAGService:
         while True:
             try:
                 now = await self.retriever.generation()
-                if seen is not _UNSEEN and now is not None and now != seen:
-                    log.info("collection %r changed (an ingest ran): reloading and re-warming",
-                             self.retriever.chroma.collection)
+                if seen is not _UNSEEN and now != seen:
+                    if now is None:  # deleted under us: answer 503 from now on, never from a stale handle
+                        log.warning("collection %r is gone (store deleted?): requests get 503 until the next "
+                                    "ingest", self.retriever.chroma.collection)
+                    else:
+                        log.info("collection %r changed (an ingest ran): reloading and re-warming",
+                                 self.retriever.chroma.collection)
                     await self._collection_changed()
                 seen = now
             except ServiceError as exc:
@@ -257,7 +261,7 @@ class RAGService:
         self._retrievals.clear()
         self.planner.forget_collection()
         self.metrics.collection_reloads.inc()
-        if self.upstream.info is not None:
+        if self.upstream.info is not None and await self.retriever.generation() is not None:
             await self.warm()
 
     async def warm(self) -> WarmupStatus:
