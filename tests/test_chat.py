@@ -128,3 +128,24 @@ def test_stream_cut_by_vllm_going_away_ends_with_an_error(collections, vllm_url,
                 if received == 3:
                     threading.Thread(target=proxy.down).start()
         assert received >= 3 and time.monotonic() - started < 60
+
+
+def test_a_50_message_chat_retrieves_once_per_new_turn(collections, vllm_url, embedder):  # noqa: F811
+    settings = app_settings(collections, vllm_url, collection="project-docs", top_k=3)
+    app = create_app(settings, embedder=embedder)
+    with AppServer(app) as server:
+        server.wait_ready()
+        retriever, calls = app.state.service.retriever, []
+        retrieve = retriever.retrieve
+
+        async def counted(question, *args, **kwargs):
+            calls.append(question)
+            return await retrieve(question, *args, **kwargs)
+
+        retriever.retrieve = counted
+        messages = []
+        for turn in range(25):  # 25 user turns + 24 answers sent back: 49 messages in the last request
+            messages.append({"role": "user", "content": f"Question {turn}: how does prefixrag order chunks?"})
+            reply = client_for(server).chat.completions.create(model="prefixrag", messages=messages, max_tokens=2)
+            messages.append({"role": "assistant", "content": reply.choices[0].message.content or "-"})
+    assert len(calls) == 25 and len(set(calls)) == 25, calls  # each question retrieved once, on its own turn
