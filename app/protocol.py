@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, model_validator
 
 
 def _valid_unicode(text: str) -> str:
@@ -18,6 +18,16 @@ def _valid_unicode(text: str) -> str:
 
 
 Text = Annotated[str, AfterValidator(_valid_unicode)]
+
+
+def _integral(value: Any) -> Any:
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+def json_int(low: int, high: int) -> Any:
+    """An integer as JSON Schema has it (2.0 is one) in an otherwise strict model ("2" and true are not); the
+    bounds come before the validator so that they reach the schema as minimum/maximum."""
+    return Annotated[int, Field(ge=low, le=high), BeforeValidator(_integral)]
 
 
 # --- errors: {"error": {"message", "type", "param", "code"}} everywhere -------------------------------------
@@ -34,16 +44,18 @@ class ErrorResponse(BaseModel):
 
 # --- /ask --------------------------------------------------------------------------------------------------
 class AskFilters(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     source_prefix: Text | None = Field(None, description="Only chunks whose source path starts with this.")
 
 
 class AskRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    question: Text = Field(description="The question, in natural language.")
-    top_k: int | None = Field(None, description="Chunks to retrieve (1..RAG_GENERATION__MAX_TOP_K).")
+    model_config = ConfigDict(extra="forbid", strict=True)  # "stream": 0 or "top_k": "5" are errors, not guesses
+    question: Text = Field(description="The question, in natural language (some non-space text).",
+                           json_schema_extra={"minLength": 1, "pattern": r"\S"})  # checked by the service
+    top_k: json_int(1, 100) | None = Field(None, description="Chunks to retrieve (1..RAG_GENERATION__MAX_TOP_K, "
+                              "at most 100).")
     filters: AskFilters | None = None
-    max_tokens: int | None = Field(None, ge=1, le=32768, description="Cap on answer tokens.")
+    max_tokens: json_int(1, 32768) | None = Field(None, description="Cap on answer tokens.")
     stream: bool = Field(False, description="Stream Server-Sent Events: deltas, then a final 'done' event.")
 
 
@@ -90,6 +102,12 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
+# The 200 of an endpoint that can stream: JSON, or Server-Sent Events with "stream": true.
+STREAMED_200 = {200: {"content": {"text/event-stream": {"schema": {
+    "type": "object", "required": ["data"],
+    "properties": {"event": {"type": "string"}, "data": {"type": "string"}}}}}}}
+
+
 def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
     return ErrorResponse(error=ErrorDetail(message=message, type=type_, param=param, code=code)).model_dump()
 
@@ -129,7 +147,7 @@ class ChatCompletionRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")  # frontends send many optional fields; unknown ones are ignored
     messages: list[ChatMessage] = Field(min_length=1)
     model: Text | None = None
-    stream: bool = False
+    stream: StrictBool = False
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2)

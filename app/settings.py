@@ -97,7 +97,7 @@ class VLLMServerSettings(BaseModel):
 
 class GenerationSettings(BaseModel):
     top_k: int = Field(5, ge=1, le=100, description="Chunks retrieved per question.")
-    max_top_k: int = Field(100, ge=1, description="Largest top_k a request may ask for.")
+    max_top_k: int = Field(100, ge=1, le=100, description="Largest top_k a request may ask for (at most 100).")
     max_tokens: int = Field(256, ge=1, description="Default answer length cap in tokens.")
     temperature: float = Field(0.0, ge=0, le=2, description="Sampling temperature.")
     repetition_penalty: float | None = Field(

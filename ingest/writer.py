@@ -8,6 +8,7 @@ import numpy as np
 
 from ingest.chunking import Chunk
 from ingest.documents import SourceDocument
+from ingest.store import StoreError
 
 
 @dataclass
@@ -59,12 +60,15 @@ class ChunkWriter:
     def _write(self, batch: list[tuple[str, Chunk, dict]]) -> None:
         self._embed_missing([chunk for _, chunk, _ in batch])
         if not self.dry_run:
-            self.collection.upsert(
-                ids=[chunk.chunk_id for _, chunk, _ in batch],
-                embeddings=[self.vectors[chunk.content_hash] for _, chunk, _ in batch],
-                documents=[chunk.text for _, chunk, _ in batch],
-                metadatas=[meta for _, _, meta in batch],
-            )
+            try:
+                self.collection.upsert(
+                    ids=[chunk.chunk_id for _, chunk, _ in batch],
+                    embeddings=[self.vectors[chunk.content_hash] for _, chunk, _ in batch],
+                    documents=[chunk.text for _, chunk, _ in batch],
+                    metadatas=[meta for _, _, meta in batch],
+                )
+            except Exception as exc:  # systemic (disk full, server gone): one clear line; a re-run converges
+                raise StoreError(f"Chroma refused a write of {len(batch)} chunks: {exc}") from exc
         self.report.chunks_written += len(batch)
         for doc_id, _, _ in batch:
             self.pending[doc_id].remaining -= 1

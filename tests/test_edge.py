@@ -173,6 +173,9 @@ def test_a_store_that_is_not_there_is_503_and_never_recreated_empty(tmp_path, vl
     run_ingest([docs], settings, embedder)
     never = app_settings(tmp_path / "never-ingested", vllm_url, collection="docs")
     with AppServer(create_app(never, embedder=embedder)) as server:
+        time.sleep(1)  # vLLM answers, the watcher has looked at the store
+        ready = httpx.get(server.url + "/readyz")
+        assert ready.status_code == 503 and "ingest documents first" in ready.json()["reason"], ready.text
         response = httpx.post(server.url + "/ask", json={"question": "What do anchors do?"}, timeout=60)
         assert response.status_code == 503 and response.json()["error"]["code"] == "collection_unavailable"
     assert not (tmp_path / "never-ingested").exists()
@@ -187,3 +190,21 @@ def test_a_store_that_is_not_there_is_503_and_never_recreated_empty(tmp_path, vl
             time.sleep(0.3)
         assert response.status_code == 503 and response.json()["error"]["code"] == "collection_unavailable"
     assert not store.exists()
+
+
+def test_a_stream_that_cannot_start_gets_the_same_status_as_a_plain_request(collections, vllm_url,  # noqa: F811
+                                                                           embedder):
+    vllm_port = int(vllm_url.rsplit(":", 1)[1].split("/")[0])
+    proxy = TcpProxy(vllm_port)
+    proxy.up()
+    settings = app_settings(collections, f"http://127.0.0.1:{proxy.port}/v1")
+    with AppServer(create_app(settings, embedder=embedder)) as server:
+        server.wait_ready()
+        proxy.down()
+        asked = httpx.post(server.url + "/ask", json={"question": "What do anchors do?", "stream": True}, timeout=60)
+        chatted = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
+            "stream": True, "messages": [{"role": "user", "content": "What do anchors do?"}]})
+        proxy.up()
+    for response in (asked, chatted):
+        assert response.status_code == 503, response.text
+        assert response.headers["retry-after"] and response.json()["error"]["code"] == "upstream_unavailable"

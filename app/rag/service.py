@@ -84,6 +84,14 @@ class RAGService:
         self.planner = ContextPlanner(settings, retriever, builder, llm, retriever.chroma.collection, self.estimator)
         upstream.warm = self.warm
         self._retrievals: AsyncLRU[list[ContextChunk]] = AsyncLRU(RETRIEVAL_CACHE_SIZE)
+        self.collection_problem: str | None = "collection not checked yet"  # kept by watch_collection
+
+    def readiness(self) -> dict:
+        """vLLM's status (``Upstream.status``), not ready while the collection is missing or unreadable."""
+        status = self.upstream.status()
+        if self.collection_problem:
+            status |= {"ready": False, "reason": self.collection_problem}
+        return status
 
     def validate(self, query: Query) -> tuple[str, int, int]:
         question = query.question.strip() if isinstance(query.question, str) else ""
@@ -243,6 +251,8 @@ class RAGService:
         while True:
             try:
                 now = await self.retriever.generation()
+                self.collection_problem = None if now is not None else (
+                    f"collection {self.retriever.chroma.collection!r} does not exist: ingest documents first")
                 if seen is not _UNSEEN and now != seen:
                     if now is None:  # deleted under us: answer 503 from now on, never from a stale handle
                         log.warning("collection %r is gone (store deleted?): requests get 503 until the next "
@@ -253,7 +263,9 @@ class RAGService:
                     await self._collection_changed()
                 seen = now
             except ServiceError as exc:
-                log.warning("cannot check the collection for changes: %s", exc.message)
+                if self.collection_problem != exc.message:  # once per state change
+                    log.warning("cannot check the collection for changes: %s", exc.message)
+                self.collection_problem = exc.message
             await asyncio.sleep(interval_s)
 
     async def _collection_changed(self) -> None:

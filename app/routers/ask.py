@@ -12,12 +12,14 @@ from fastapi.responses import StreamingResponse
 from app.deps import Authorized, MetricsDep, ServiceDep
 from app.errors import ServiceError
 from app.llm import Delta
-from app.protocol import AskRequest, AskResponse, AskUsage, ErrorResponse, Source, Timings, INTERNAL_ERROR, error_body
+from app.protocol import (INTERNAL_ERROR, STREAMED_200, AskRequest, AskResponse, AskUsage, ErrorResponse, Source,
+                          Timings, error_body)
 from app.rag.service import Answer, Query
+from app.routers.streaming import started
 
 log = logging.getLogger("prefixrag.ask")
 router = APIRouter(tags=["ask"], dependencies=[Authorized])
-ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 503, 504)}
+ERRORS = STREAMED_200 | {code: {"model": ErrorResponse} for code in (400, 401, 413, 503, 504)}
 
 
 @router.post("/ask", response_model=AskResponse, responses=ERRORS)
@@ -25,8 +27,8 @@ async def ask(body: AskRequest, service: ServiceDep, metrics: MetricsDep):
     query = Query(question=body.question, top_k=body.top_k, max_tokens=body.max_tokens,
                   source_prefix=body.filters.source_prefix if body.filters else None)
     if body.stream:
-        service.validate(query)  # bad input is a 400, not an error event inside a 200 stream
-        return StreamingResponse(_sse(service.answer_stream(query)), media_type="text/event-stream",
+        events = await started(service.answer_stream(query))  # failures before the first token keep their status
+        return StreamingResponse(_sse(events), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     with metrics.latency.labels("ask").time():
         answer = await service.answer(query)

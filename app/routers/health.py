@@ -6,7 +6,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from app.deps import Authorized, MetricsDep, SettingsDep, UpstreamDep
+from app.deps import Authorized, MetricsDep, ServiceDep, SettingsDep, UpstreamDep
 from app.edge import bearer_ok
 
 router = APIRouter(tags=["health"])
@@ -18,17 +18,19 @@ async def healthz() -> dict:
 
 
 @router.get("/readyz")
-async def readyz(request: Request, upstream: UpstreamDep, settings: SettingsDep) -> JSONResponse:
-    """Open to probes without a key; with RAG_API_KEY set, only a caller holding the key sees the details
-    (vLLM's URL, model, window, KV size, warm-up progress)."""
-    status = upstream.status()
+async def readyz(request: Request, service: ServiceDep, settings: SettingsDep) -> JSONResponse:
+    """Ready = vLLM answers, the warm-up of the system prompt is done and the collection is readable. Open to
+    probes without a key; with RAG_API_KEY set, only a caller holding the key sees the details (vLLM's URL,
+    model, window, KV size, warm-up progress)."""
+    status = service.readiness()
     key = settings.service.api_key
     if key and not bearer_ok(request.headers.get("authorization", ""), key):
         status = {"ready": status["ready"], "reason": "ready" if status["ready"] else "not ready"}
     return JSONResponse(status, status_code=200 if status["ready"] else 503)
 
 
-@router.get("/metrics", dependencies=[Authorized])
+@router.get("/metrics", dependencies=[Authorized], response_class=Response,
+            responses={200: {"content": {CONTENT_TYPE_LATEST.split(";")[0]: {}}, "description": "Prometheus text"}})
 async def metrics(registry: MetricsDep, upstream: UpstreamDep) -> Response:
     registry.upstream_ready.set(1 if upstream.ready else 0)
     return Response(generate_latest(registry.registry), media_type=CONTENT_TYPE_LATEST)

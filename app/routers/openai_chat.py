@@ -14,15 +14,16 @@ from fastapi.responses import StreamingResponse
 from app.deps import Authorized, ServiceDep, SettingsDep
 from app.errors import NotFound, ServiceError
 from app.llm import Delta
-from app.protocol import (AssistantMessage, ChatChoice, ChatCompletion, ChatCompletionChunk, ChatCompletionRequest,
-                          ChatSource, ChatUsage, ChunkChoice, ChunkDelta, ErrorResponse, INTERNAL_ERROR, ModelCard,
-                          ModelList, PromptTokensDetails, error_body)
+from app.protocol import (INTERNAL_ERROR, STREAMED_200, AssistantMessage, ChatChoice, ChatCompletion,
+                          ChatCompletionChunk, ChatCompletionRequest, ChatSource, ChatUsage, ChunkChoice, ChunkDelta,
+                          ErrorResponse, ModelCard, ModelList, PromptTokensDetails, error_body)
 from app.rag.conversation import Turn
 from app.rag.service import Answer, ChatQuery
+from app.routers.streaming import started
 
 log = logging.getLogger("prefixrag.chat")
 router = APIRouter(prefix="/v1", tags=["openai"], dependencies=[Authorized])
-ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 404, 503, 504)}
+ERRORS = STREAMED_200 | {code: {"model": ErrorResponse} for code in (400, 401, 413, 404, 503, 504)}
 
 
 @router.get("/models", response_model=ModelList)
@@ -42,7 +43,7 @@ async def chat_completions(body: ChatCompletionRequest, service: ServiceDep, set
     append = settings.service.append_sources
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        events = service.chat_stream(chat)
+        events = await started(service.chat_stream(chat))  # failures before the first token keep their status
         return StreamingResponse(_sse(events, ident, created, model, include_usage, append),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
     answer = await service.chat(chat)
