@@ -104,3 +104,10 @@ class TcpProxy:
                 dst.close()
 
         await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
+
+
+def proxy_in_front_of(vllm_url: str) -> tuple[TcpProxy, str]:
+    """A running proxy to the vLLM at ``vllm_url`` and the ``/v1`` URL to give the app instead."""
+    proxy = TcpProxy(int(vllm_url.rsplit(":", 1)[1].split("/")[0]))
+    proxy.up()
+    return proxy, f"http://127.0.0.1:{proxy.port}/v1"

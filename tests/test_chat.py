@@ -10,7 +10,7 @@ import openai
 import pytest
 
 from app.main import create_app
-from tests.servers import AppServer, TcpProxy, reset_prefix_cache
+from tests.servers import AppServer, proxy_in_front_of, reset_prefix_cache
 from tests.test_service import app_settings, collections, floor_block  # noqa: F401  (fixture re-used)
 
 pytestmark = pytest.mark.vllm
@@ -111,10 +111,8 @@ def test_api_key_when_set(collections, vllm_url, embedder):  # noqa: F811
 
 
 def test_stream_cut_by_vllm_going_away_ends_with_an_error(collections, vllm_url, embedder):  # noqa: F811
-    vllm_port = int(vllm_url.rsplit(":", 1)[1].split("/")[0])
-    proxy = TcpProxy(vllm_port)
-    proxy.up()
-    settings = app_settings(collections, f"http://127.0.0.1:{proxy.port}/v1", collection="project-docs")
+    proxy, proxied = proxy_in_front_of(vllm_url)
+    settings = app_settings(collections, proxied, collection="project-docs")
     with AppServer(create_app(settings, embedder=embedder)) as server:
         server.wait_ready()
         stream = client_for(server).chat.completions.create(

@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from app.main import create_app
-from tests.servers import AppServer, TcpProxy
+from tests.servers import AppServer, proxy_in_front_of
 from tests.test_service import app_settings, collections  # noqa: F401  (fixture re-used)
 
 pytestmark = pytest.mark.vllm
@@ -86,10 +86,8 @@ def test_a_lone_surrogate_is_400_streamed_or_not(keyed, path, body):
 
 
 def test_failing_requests_do_not_speed_up_the_vllm_probes(collections, vllm_url, embedder, caplog):  # noqa: F811
-    vllm_port = int(vllm_url.rsplit(":", 1)[1].split("/")[0])
-    proxy = TcpProxy(vllm_port)
-    proxy.up()
-    settings = app_settings(collections, f"http://127.0.0.1:{proxy.port}/v1")
+    proxy, proxied = proxy_in_front_of(vllm_url)
+    settings = app_settings(collections, proxied)
     settings.vllm.retry_interval_s = 1.0
     app = create_app(settings, embedder=embedder)
     with AppServer(app) as server:
@@ -194,10 +192,8 @@ def test_a_store_that_is_not_there_is_503_and_never_recreated_empty(tmp_path, vl
 
 def test_a_stream_that_cannot_start_gets_the_same_status_as_a_plain_request(collections, vllm_url,  # noqa: F811
                                                                            embedder):
-    vllm_port = int(vllm_url.rsplit(":", 1)[1].split("/")[0])
-    proxy = TcpProxy(vllm_port)
-    proxy.up()
-    settings = app_settings(collections, f"http://127.0.0.1:{proxy.port}/v1")
+    proxy, proxied = proxy_in_front_of(vllm_url)
+    settings = app_settings(collections, proxied)
     with AppServer(create_app(settings, embedder=embedder)) as server:
         server.wait_ready()
         proxy.down()

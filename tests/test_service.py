@@ -13,7 +13,7 @@ import pytest
 from app.main import create_app
 from ingest.pipeline import run_ingest
 from tests.conftest import ROOT
-from tests.servers import AppServer, TcpProxy, reset_prefix_cache
+from tests.servers import AppServer, proxy_in_front_of, reset_prefix_cache
 
 pytestmark = pytest.mark.vllm
 
@@ -176,10 +176,8 @@ def test_an_ingest_while_serving_is_picked_up_without_a_restart(tmp_path, vllm_u
 
 
 def test_vllm_down_gives_503_then_recovers_without_restart(collections, vllm_url, embedder):
-    vllm_port = int(vllm_url.rsplit(":", 1)[1].split("/")[0])
-    proxy = TcpProxy(vllm_port)
-    proxy.up()
-    settings = app_settings(collections, f"http://127.0.0.1:{proxy.port}/v1")
+    proxy, proxied = proxy_in_front_of(vllm_url)
+    settings = app_settings(collections, proxied)
     with AppServer(create_app(settings, embedder=embedder)) as server:
         server.wait_ready()
         assert ask(server, question="What do anchors do?").status_code == 200
