@@ -54,6 +54,7 @@ class IngestSettings(BaseModel):
     write_batch: int = Field(256, ge=1, description="Chunks embedded and upserted per write batch.")
     max_file_mb: float = Field(50.0, gt=0, description="Files larger than this are skipped and reported.")
     prefetch_files: int = Field(4, ge=1, description="Files loaded and chunked ahead while the encoder runs.")
+    progress_s: float = Field(10.0, gt=0, description="Seconds between progress lines when stderr is no terminal.")
 
 
 class VLLMSettings(BaseModel):

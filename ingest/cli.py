@@ -1,17 +1,19 @@
 """``python -m ingest PATH...``: a thin shell over ``ingest.pipeline.run_ingest``.
 
 Exit codes: 0 every file ingested (or unchanged); 1 some files failed and were skipped (the rest ingested);
-2 usage error; 3 could not run (Chroma unreachable, lock held, bad settings).
+2 usage error; 3 could not run (Chroma unreachable, lock held, bad settings); 130 interrupted (Ctrl-C or
+SIGTERM: finished files are stored, a re-run resumes).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 from pathlib import Path
 
-EXIT_OK, EXIT_SOME_FAILED, EXIT_USAGE, EXIT_FATAL = 0, 1, 2, 3
+EXIT_OK, EXIT_SOME_FAILED, EXIT_USAGE, EXIT_FATAL, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -49,23 +51,35 @@ def settings_from(args: argparse.Namespace):
     return settings
 
 
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt  # SIGTERM (docker stop, systemd) ends the run like Ctrl-C: one line, exit 130
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from ingest.report import Progress
+
+    progress = Progress()
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
         from pydantic import ValidationError
 
         from ingest.embedder import Embedder
         from ingest.pipeline import run_ingest
-        from ingest.report import Progress
         from ingest.store import StoreError
 
         settings = settings_from(args)
+        progress.interval_s = settings.ingest.progress_s
         for path in args.paths:  # fail before the encoder takes seconds to load
             if not path.exists():
                 raise FileNotFoundError(f"no such file or directory: {path}")
         embedder = Embedder(settings.embedding)
         report = run_ingest(args.paths, settings, embedder, prune=args.prune, dry_run=args.dry_run,
-                            progress=Progress(enabled=None if not args.json else False))
+                            progress=progress)
+    except KeyboardInterrupt:
+        print(f"interrupted after {progress.files_done} files; re-run to resume (finished files are stored)",
+              file=sys.stderr)
+        return EXIT_INTERRUPTED
     except (StoreError, FileNotFoundError, ValidationError, ValueError) as exc:
         message = str(exc).splitlines()[0] if not isinstance(exc, ValidationError) else _one_line(exc)
         print(f"error: {message}", file=sys.stderr)

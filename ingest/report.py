@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 
@@ -51,16 +52,47 @@ class IngestReport:
 
 
 class Progress:
-    """A rich progress bar over files, with the running chunk count; silent when stderr is no terminal."""
+    """On a terminal, a rich progress bar over files. Elsewhere (nohup, docker logs, CI) one line on stderr every
+    ``interval_s``: files, chunks, chunks/s, ETA. ``enabled=False`` (library use): silent. Either way it counts
+    the files done, for the line an interrupted run prints."""
 
-    def __init__(self, enabled: bool | None = None) -> None:
-        self.enabled = sys.stderr.isatty() if enabled is None else enabled
+    def __init__(self, enabled: bool | None = None, interval_s: float = 10.0) -> None:
+        self.enabled = True if enabled is None else enabled
+        self.terminal = enabled is None and sys.stderr.isatty()
+        self.interval_s = interval_s
+        self.files_done = 0
 
     @contextmanager
     def files(self, total: int):
         if not self.enabled:
-            yield lambda name, chunks: None
-            return
+            yield self._count
+        elif self.terminal:
+            with self._bar(total) as update:
+                yield lambda name, chunks: (self._count(name, chunks), update(name, chunks))
+        else:
+            yield self._lines(total)
+
+    def _count(self, name: str, chunks: int) -> None:
+        self.files_done += 1
+
+    def _lines(self, total: int):
+        started = last = time.monotonic()
+
+        def line(name: str, chunks: int) -> None:
+            nonlocal last
+            self._count(name, chunks)
+            now = time.monotonic()
+            if now - last < self.interval_s and self.files_done < total:
+                return
+            last, elapsed = now, now - started
+            eta = elapsed / self.files_done * (total - self.files_done)
+            print(f"ingest: {self.files_done}/{total} files, {chunks} chunks written, "
+                  f"{chunks / elapsed if elapsed else 0:.1f} chunks/s, ETA {eta:.0f}s", file=sys.stderr, flush=True)
+
+        return line
+
+    @contextmanager
+    def _bar(self, total: int):
         from rich.progress import BarColumn, MofNCompleteColumn, Progress as Bar, TextColumn, TimeElapsedColumn
 
         with Bar(TextColumn("[bold]ingest"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[chunks]} chunks"),

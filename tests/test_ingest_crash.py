@@ -60,3 +60,27 @@ def test_sigkill_mid_ingest_then_rerun_equals_clean_ingest(tmp_path, settings_fa
     assert snapshot(crashed, embedder) == expected
     assert report.chunks_embedded <= len(expected) - partial + 16  # stored work was re-used, not redone
     assert run_ingest([corpus], crashed, embedder).writes == 0
+
+
+def test_without_a_terminal_ingest_prints_progress_lines_and_ctrl_c_is_one_line(tmp_path, settings_factory, embedder):
+    corpus = write_big_corpus(tmp_path / "corpus")
+    interrupted, clean = settings_factory(path=tmp_path / "interrupted"), settings_factory(path=tmp_path / "clean")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "ingest", str(corpus), "--chroma-path", str(interrupted.chroma.path),
+         "--collection", interrupted.chroma.collection], cwd=ROOT, text=True,
+        env=os.environ | {"RAG_INGEST__WRITE_BATCH": "16", "RAG_INGEST__PROGRESS_S": "0.01"},
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    progress = []
+    while len(progress) < 3:  # stderr is a pipe, not a terminal: lines, not a progress bar
+        line = process.stderr.readline()
+        assert line, "ingest ended before it printed progress"
+        if line.startswith("ingest: "):
+            progress.append(line)
+    process.send_signal(signal.SIGINT)
+    rest = process.stderr.read()
+    assert process.wait(60) == 130
+    assert "files" in progress[0] and "chunks/s" in progress[0] and "ETA" in progress[0]
+    assert "Traceback" not in rest and rest.strip().splitlines()[-1].startswith("interrupted after "), rest
+    run_ingest([corpus], interrupted, embedder)
+    run_ingest([corpus], clean, embedder)
+    assert snapshot(interrupted, embedder) == snapshot(clean, embedder)
