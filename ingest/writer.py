@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -46,16 +47,21 @@ class ChunkWriter:
 
     def _remember_stored(self, ids: list[str]) -> None:
         """Keep the embeddings of a changed document's current chunks: unchanged text is never re-embedded."""
-        for start in range(0, len(ids), self.batch):
-            stored = self.collection.get(ids=ids[start:start + self.batch], include=["embeddings", "metadatas"])
+        for batch in self._batches(ids):
+            stored = self.collection.get(ids=batch, include=["embeddings", "metadatas"])
             for vector, meta in zip(stored["embeddings"], stored["metadatas"]):
                 self.vectors.setdefault(meta["content_hash"], np.asarray(vector, dtype=np.float32))
 
     def flush(self) -> None:
         """Write everything buffered, in writes of at most ``batch`` rows (one document may be far larger)."""
-        while self.buffer:
-            batch, self.buffer = self.buffer[:self.batch], self.buffer[self.batch:]
+        buffered, self.buffer = self.buffer, []
+        for batch in self._batches(buffered):
             self._write(batch)
+
+    def _batches(self, items: list) -> Iterator[list]:
+        """``items`` in slices Chroma accepts: every read and write here goes through this."""
+        for start in range(0, len(items), self.batch):
+            yield items[start:start + self.batch]
 
     def _write(self, batch: list[tuple[str, Chunk, dict]]) -> None:
         self._embed_missing([chunk for _, chunk, _ in batch])
@@ -96,8 +102,8 @@ class ChunkWriter:
         """Record a new file hash on chunks whose content did not change (a metadata-only write)."""
         if self.dry_run:
             return
-        for start in range(0, len(ids), self.batch):
-            current = self.collection.get(ids=ids[start:start + self.batch], include=["metadatas"])
+        for batch in self._batches(ids):
+            current = self.collection.get(ids=batch, include=["metadatas"])
             self.collection.update(ids=current["ids"],
                                    metadatas=[meta | {"file_hash": file_hash} for meta in current["metadatas"]])
         self.report.chunks_relabeled += len(ids)
@@ -110,8 +116,8 @@ class ChunkWriter:
             return
         self.report.chunks_deleted += len(ids)
         if not self.dry_run:
-            for start in range(0, len(ids), self.batch):
-                self.collection.delete(ids=ids[start:start + self.batch])
+            for batch in self._batches(ids):
+                self.collection.delete(ids=batch)
 
 
 def chunk_metadata(document: SourceDocument, chunk: Chunk, doc_hash: str, n_chunks: int) -> dict:
