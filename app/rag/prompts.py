@@ -38,15 +38,16 @@ class Neutraliser:
     ...), as vLLM's tokenizer lists them: each is broken by a zero-width space, so text can never carry one."""
 
     def __init__(self) -> None:
-        self.tokens: tuple[str, ...] = ()
+        self.served: tuple[str, ...] = ()  # as last given; the pattern is rebuilt only when they change
         self._pattern: re.Pattern | None = None
 
-    def use(self, tokens) -> None:
-        """Adopt the served tokenizer's special tokens (idempotent; called whenever vLLM (re)appears)."""
-        wanted = tuple(sorted({t for t in tokens if len(t.strip()) > 1}, key=lambda t: (-len(t), t)))
-        if wanted != self.tokens:
-            self.tokens = wanted
-            self._pattern = re.compile("|".join(map(re.escape, wanted)), re.IGNORECASE) if wanted else None
+    def use(self, tokens: tuple[str, ...]) -> None:
+        """Adopt the served tokenizer's special tokens (cheap when unchanged: it is called per request)."""
+        if tokens == self.served:
+            return
+        self.served = tokens
+        wanted = sorted({t for t in tokens if len(t.strip()) > 1}, key=lambda t: (-len(t), t))  # longest first
+        self._pattern = re.compile("|".join(map(re.escape, wanted)), re.IGNORECASE) if wanted else None
 
     def __call__(self, text: str) -> str:
         text = inert(text)

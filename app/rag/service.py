@@ -260,7 +260,7 @@ class RAGService:
                     else:
                         log.info("collection %r changed (an ingest ran): reloading and re-warming",
                                  self.retriever.chroma.collection)
-                    await self._collection_changed()
+                    await self._collection_changed(rewarm=now is not None)
                 seen = now
             except ServiceError as exc:
                 if self.collection_problem != exc.message:  # once per state change
@@ -268,12 +268,12 @@ class RAGService:
                 self.collection_problem = exc.message
             await asyncio.sleep(interval_s)
 
-    async def _collection_changed(self) -> None:
+    async def _collection_changed(self, rewarm: bool) -> None:
         self.retriever.reopen()
         self._retrievals.clear()
         self.planner.forget_collection()
         self.metrics.collection_reloads.inc()
-        if self.upstream.info is not None and await self.retriever.generation() is not None:
+        if rewarm and self.upstream.info is not None:  # a deleted collection has nothing to warm
             await self.warm()
 
     async def warm(self) -> WarmupStatus:
