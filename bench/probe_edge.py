@@ -34,8 +34,7 @@ def big_document_ingest(tmp: Path) -> dict:
     from app.settings import Settings
     from ingest.embedder import Embedder
     from ingest.loaders import load_file
-    from ingest.pipeline import run_ingest
-    from ingest.chunking import Chunker
+    from ingest.pipeline import chunker_for, run_ingest
 
     docs = tmp / "big"
     docs.mkdir()
@@ -46,8 +45,7 @@ def big_document_ingest(tmp: Path) -> dict:
     settings = Settings(_env_file=None)
     settings.chroma.path, settings.chroma.collection = tmp / "big-chroma", "big"
     embedder = Embedder(settings.embedding)
-    expected = len(Chunker(embedder.tokenizer, settings.chunking.size, settings.chunking.overlap,
-                           embedder.max_tokens).chunk(load_file(docs / "manual.txt", "manual.txt")[0]))
+    expected = len(chunker_for(settings, embedder).chunk(load_file(docs / "manual.txt", "manual.txt")[0]))
     started = time.perf_counter()
     report = run_ingest([docs], settings, embedder)
     from ingest.store import open_collection

@@ -102,6 +102,12 @@ def load(path: Path, rel: str, settings: Settings, identity: str, stored_by_sour
     return result
 
 
+def chunker_for(settings: Settings, embedder) -> Chunker:
+    # Its own tokenizer copy: chunking runs on a worker thread while the encoder tokenizes on the caller's.
+    return Chunker(copy.deepcopy(embedder.tokenizer), settings.chunking.size, settings.chunking.overlap,
+                   embedder.max_tokens)
+
+
 def pipeline_identity(settings: Settings, embedder_name: str) -> str:
     # Chunking parameters and the encoder are part of every hash: changing them re-chunks everything.
     c = settings.chunking
@@ -133,9 +139,7 @@ def run_ingest(roots: list[Path], settings: Settings, embedder, *, prune: bool =
             by_source.setdefault(entry.source, []).append(entry)
             ids_by_source.setdefault(entry.source, []).append(doc_id)
         identity = pipeline_identity(settings, embedder.name)
-        # Its own tokenizer copy: chunking runs on a worker thread while the encoder tokenizes on this one.
-        chunker = Chunker(copy.deepcopy(embedder.tokenizer), settings.chunking.size, settings.chunking.overlap,
-                          embedder.max_tokens)
+        chunker = chunker_for(settings, embedder)
 
         def prepare(path: Path, rel: str) -> FileResult:
             return plan(load(path, rel, settings, identity, by_source), stored, chunker, identity)
