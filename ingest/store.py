@@ -8,6 +8,7 @@ generation stamp that every ingest which changed something renews, so running se
 from __future__ import annotations
 
 import os
+import threading
 import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -33,6 +34,9 @@ class LockBusy(StoreError):
     """Another ingest holds the on-disk collection's write lock."""
 
 
+_CLIENT_LOCK = threading.Lock()
+
+
 def open_client(cfg: ChromaSettings, create: bool = True):
     """``create=False`` (the service): an on-disk store that is not there is missing, never made anew empty."""
     import chromadb
@@ -48,7 +52,10 @@ def open_client(cfg: ChromaSettings, create: bool = True):
         if not create and not (cfg.path / "chroma.sqlite3").exists():
             raise CollectionMissing(f"no Chroma store at {cfg.path}: ingest documents first (python -m ingest DIR)")
         cfg.path.mkdir(parents=True, exist_ok=True)
-        return chromadb.PersistentClient(path=str(cfg.path), settings=client_settings)
+        # Two threads building the first client of a path at once break Chroma's shared state ("'RustBindingsAPI'
+        # object has no attribute 'bindings'"): the service's watcher and its warm-up do exactly that at start-up.
+        with _CLIENT_LOCK:
+            return chromadb.PersistentClient(path=str(cfg.path), settings=client_settings)
     except StoreError:
         raise
     except Exception as exc:

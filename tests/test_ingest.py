@@ -246,3 +246,34 @@ def test_entries_that_are_no_file_are_reported_not_silently_skipped(tmp_path, se
     assert reasons == {"dangling.md": "dangling symbolic link", "loop.md": "symbolic link loop",
                        "pipe.txt": "FIFO (named pipe), not a regular file"}
     assert report.files_added == 1 and "skipped: pipe.txt: FIFO" in report.summary()
+
+
+def test_two_threads_opening_a_store_first_in_a_process_both_succeed(tmp_path, settings_factory, embedder):
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    corpus = write_corpus(tmp_path / "corpus")
+    settings = settings_factory()
+    run_ingest([corpus], settings, embedder)
+    # A fresh process, as the service at start-up: its collection watcher and warm-up open Chroma together.
+    script = f"""
+import threading
+from pathlib import Path
+from app.settings import ChromaSettings
+from ingest.store import open_collection
+cfg = ChromaSettings(path=Path({str(settings.chroma.path)!r}), collection={settings.chroma.collection!r})
+errors = []
+def open_it():
+    try:
+        open_collection(cfg, {embedder.name!r}, {embedder.dimension}, create=False)
+    except Exception as exc:
+        errors.append(repr(exc))
+threads = [threading.Thread(target=open_it) for _ in range(2)]
+[t.start() for t in threads]
+[t.join() for t in threads]
+print(errors)
+"""
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip().splitlines()[-1] == "[]", done.stdout + done.stderr
