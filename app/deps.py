@@ -10,7 +10,6 @@ from app.edge import bearer_ok
 from app.errors import Unauthorized
 from app.metrics import ServiceMetrics
 from app.rag.service import RAGService
-from app.rag.upstream import Upstream
 from app.settings import Settings
 
 
@@ -22,17 +21,12 @@ def get_service(request: Request) -> RAGService:
     return request.app.state.service
 
 
-def get_upstream(request: Request) -> Upstream:
-    return request.app.state.upstream
-
-
 def get_metrics(request: Request) -> ServiceMetrics:
     return request.app.state.metrics
 
 
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 ServiceDep = Annotated[RAGService, Depends(get_service)]
-UpstreamDep = Annotated[Upstream, Depends(get_upstream)]
 MetricsDep = Annotated[ServiceMetrics, Depends(get_metrics)]
 
 

@@ -35,10 +35,32 @@ class NotFound(ServiceError):
 
 
 class UpstreamUnavailable(ServiceError):
-    """vLLM (or Chroma) cannot be reached; the client should retry later."""
+    """vLLM cannot be reached; the client should retry later."""
 
     status, type, code = 503, "service_unavailable", "upstream_unavailable"
     retry_after_s = 5
+
+
+class StoreUnavailable(UpstreamUnavailable):
+    """The Chroma collection is missing or unreadable (not vLLM's fault: readiness and logs say which)."""
+
+    code = "collection_unavailable"
+
+
+class Overloaded(ServiceError):
+    """Admission control: every slot and queue place is taken; refused at once rather than answered late."""
+
+    status, type, code = 429, "rate_limit_error", "overloaded"
+
+    def __init__(self, message: str, *, retry_after_s: int) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class ClientGone(ServiceError):
+    """The client disconnected before its answer was ready; its vLLM request was aborted (nginx's 499)."""
+
+    status, type, code = 499, "client_closed_request", "client_closed_request"
 
 
 class UpstreamTimeout(ServiceError):

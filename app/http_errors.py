@@ -9,7 +9,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from app.errors import ServiceError, UpstreamUnavailable
+from app.errors import ServiceError
 from app.protocol import INTERNAL_ERROR, error_body
 
 log = logging.getLogger("prefixrag.http")
@@ -17,7 +17,8 @@ HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_lar
 
 
 def error_response(exc: ServiceError) -> JSONResponse:
-    headers = {"Retry-After": str(exc.retry_after_s)} if isinstance(exc, UpstreamUnavailable) else None
+    retry_after = getattr(exc, "retry_after_s", None)  # 503 (vLLM or Chroma away) and 429 (overloaded)
+    headers = {"Retry-After": str(retry_after)} if retry_after else None
     if exc.status == 401:
         headers = {"WWW-Authenticate": "Bearer"}
     return JSONResponse(error_body(exc.message, exc.type, exc.param, exc.code), status_code=exc.status,

@@ -46,16 +46,19 @@ class LLMClient:
         await self.http.aclose()
 
     def chat_request(self, messages: list[dict], *, max_tokens: int, temperature: float, prefix_key: str,
-                     stream: bool = True, repetition_penalty: float | None = None, **options) -> dict:
-        """Keyword arguments for ``chat.completions.create``: the single definition of a vLLM request."""
+                     stream: bool = True, repetition_penalty: float | None = None, priority: int | None = None,
+                     **options) -> dict:
+        """Keyword arguments for ``chat.completions.create``: the single definition of a vLLM request.
+        ``priority``: vLLM's scheduling priority (lower first; users 0), for background work."""
         request = {
             "model": self.model, "messages": messages, "max_tokens": max_tokens, "temperature": temperature,
             "stream": stream, "extra_headers": {self.settings.affinity_header: prefix_key},
         }
         if stream:
             request["stream_options"] = {"include_usage": True}
-        if repetition_penalty is not None:
-            request["extra_body"] = {"repetition_penalty": repetition_penalty}  # vLLM sampling extension
+        extensions = {"repetition_penalty": repetition_penalty, "priority": priority}  # vLLM's own fields
+        if any(v is not None for v in extensions.values()):
+            request["extra_body"] = {k: v for k, v in extensions.items() if v is not None}
         request.update({k: v for k, v in options.items() if v is not None})
         return request
 

@@ -40,21 +40,23 @@ def create_app(settings: Settings | None = None, *, embedder=None) -> FastAPI:
         metrics = ServiceMetrics()
         retriever = Retriever(encoder, settings.chroma, executor)
         app.state.settings, app.state.upstream, app.state.metrics = settings, upstream, metrics
-        app.state.service = RAGService(settings.generation, retriever, llm, PromptBuilder(templates), upstream,
-                                       metrics)
-        monitor = asyncio.create_task(upstream.run_forever(), name="vllm-monitor")
-        watcher = asyncio.create_task(app.state.service.watch_collection(settings.chroma.poll_s),
-                                      name="collection-watcher")
+        service = RAGService(settings.generation, retriever, llm, PromptBuilder(templates), upstream, metrics,
+                             settings.traffic)
+        app.state.service = service
+        metrics.watch(service.readiness)
+        tasks = [asyncio.create_task(upstream.run_forever(), name="vllm-monitor"),
+                 asyncio.create_task(service.warmer.run_forever(), name="warmer"),
+                 asyncio.create_task(service.watch_collection(settings.chroma.poll_s), name="collection-watcher")]
         log.info("prefixrag serving collection %r from %s; vLLM at %s", settings.chroma.collection,
                  settings.chroma.url or settings.chroma.path, settings.vllm.url)
         try:
             yield
         finally:
-            for task in (monitor, watcher):
+            for task in tasks:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
-            await app.state.service.planner.close()
+            service.planner.close()
             await llm.aclose()
             executor.shutdown(wait=False, cancel_futures=True)
 

@@ -116,10 +116,29 @@ class GenerationSettings(BaseModel):
         "holds this share of the hits, else the plain top-k is (hits after a long unit would be uncached text).")
     max_unit_tokens: int = Field(12288, ge=128, description="document strategy: a bigger parent is cut into aligned windows.")
     warm_kv_share: float = Field(0.5, gt=0, le=1, description="Share of vLLM's KV cache that unit pre-warm may fill.")
+    warm_max_tokens: int = Field(
+        1 << 20, ge=0, description="Absolute cap on prompt tokens one pre-warm sends (besides the KV share): "
+        "bounds its compute on a slow machine whatever the cache size (0: warm only the system prompt).")
+    warm_max_s: float = Field(600.0, gt=0, description="Pre-warm stops after this many seconds (time spent "
+                              "paused for user traffic included).")
     warm_concurrency: int = Field(2, ge=1, description="Pre-warm requests in flight (background, bounded).")
+    warm_priority: int = Field(
+        10, ge=1, description="vLLM priority of pre-warm requests (user requests: 0; lower goes first). Needs "
+        "vLLM started with --scheduling-policy priority, as python -m app.vllm_server does; elsewhere it is dropped.")
     hotness_dir: Path | None = Field(Path("./data/hotness"), description="Where unit hotness is persisted (None: off).")
     context_budget_tokens: int | None = Field(
         None, description="Cap on prompt tokens (default: max_model_len - max_tokens).")
+
+
+class TrafficSettings(BaseModel):
+    """Admission control (429 + Retry-After beyond these) and shutdown. Limits are per app process."""
+
+    max_in_flight: int = Field(
+        4, ge=1, description="User requests in the pipeline (retrieval + vLLM) at once. Measured on the 2-core "
+        "CPU test model (bench/results/live-traffic.json); on a GPU raise it towards vLLM's max_num_seqs.")
+    max_queued: int = Field(4, ge=0, description="Requests waiting for a slot; one more is refused with 429.")
+    drain_s: float = Field(30.0, ge=0, description="On SIGTERM, how long requests in flight may finish before "
+                           "they are cut off (their vLLM requests are aborted).")
 
 
 class ServiceSettings(BaseModel):
@@ -146,6 +165,7 @@ class Settings(BaseSettings):
     vllm_server: VLLMServerSettings = Field(default_factory=VLLMServerSettings, description="vLLM launcher.")
     generation: GenerationSettings = Field(default_factory=GenerationSettings, description="Retrieval + generation.")
     service: ServiceSettings = Field(default_factory=ServiceSettings, description="HTTP service.")
+    traffic: TrafficSettings = Field(default_factory=TrafficSettings, description="Admission control, shutdown.")
 
     # Flat aliases for the everyday knobs; applied over the nested values when set.
     chroma_path: Path | None = Field(None, validation_alias=AliasChoices("RAG_CHROMA_PATH"), description="= chroma.path")

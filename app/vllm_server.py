@@ -1,7 +1,7 @@
 """``python -m app.vllm_server``: start vLLM's OpenAI server with the flags prefixrag relies on.
 
-Prefix caching and chunked prefill are always on, and ``--enable-prompt-tokens-details`` makes every response
-report ``cached_tokens``. The exact command is printed before it runs.
+Prefix caching and chunked prefill are always on, ``--enable-prompt-tokens-details`` makes every response
+report ``cached_tokens``, and priority scheduling lets pre-warm queue behind users. The exact command is printed before it runs.
 """
 
 from __future__ import annotations
@@ -61,6 +61,7 @@ def build_command(cfg: VLLMServerSettings, gpu: bool) -> tuple[list[str], dict[s
         "--max-model-len", str(cfg.max_model_len), "--enable-prefix-caching", "--enable-chunked-prefill",
         "--dtype", cfg.dtype, "--enable-prompt-tokens-details",
         "--enable-tokenizer-info-endpoint",  # the service reads the special tokens to keep out of documents
+        "--scheduling-policy", "priority",  # pre-warm is sent at a lower priority than users' requests
         *model_flags,
     ]
     defaults = {} if gpu else CPU_DEFAULTS

@@ -7,6 +7,7 @@ import gzip
 import json
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict
 from pathlib import Path
 
 from app.llm import LLMClient, metric_total
@@ -16,7 +17,7 @@ from app.rag.prompts import PromptTemplates
 from app.rag.retriever import Retriever
 from app.rag.service import RAGService
 from app.rag.upstream import Upstream
-from app.settings import GenerationSettings, Settings
+from app.settings import GenerationSettings, Settings, TrafficSettings
 from bench.ceiling import BlockCacheCeiling
 from bench.modes import Record, run_naive, run_prefixrag
 from bench.stats import summarise
@@ -43,7 +44,6 @@ class Harness:
         self.retriever = Retriever(self.embedder, self.settings.chroma, self.executor)
         self.llm = LLMClient(self.settings.vllm)
         self.upstream = Upstream(self.llm, self.settings.vllm)
-        self.upstream.warm = None
         await self.upstream.refresh()
         self.templates = PromptTemplates.load(self.settings.service.prompts_dir)
         return self
@@ -60,8 +60,10 @@ class Harness:
         values = self.settings.generation.model_dump() | dict(o.split("=", 1) for o in overrides) | {
             "strategy": strategy, "top_k": self.args.top_k, "max_tokens": self.args.max_tokens, "hotness_dir": None}
         generation = GenerationSettings.model_validate(values)
+        # The benchmark measures the pipeline at its own concurrency: admission control never refuses it.
+        limits = TrafficSettings(max_in_flight=self.args.concurrency, max_queued=self.args.concurrency)
         return RAGService(generation, self.retriever, self.llm, PromptBuilder(self.templates), self.upstream,
-                          ServiceMetrics())
+                          ServiceMetrics(), limits)
 
     async def run_mode(self, mode: str, stream, earlier: list[dict]) -> dict:
         await self.llm.reset_prefix_cache()  # no mode profits from another's cache
@@ -71,12 +73,11 @@ class Harness:
         elif mode != "naive":
             service = self.service(mode)
             started = time.perf_counter()
-            await service.warm()
+            progress = await service.warmer.warm(self.upstream.require())  # the benchmark measures warm traffic
             if service.planner.name == "corpus" and not service.planner.corpus.fits:
-                await service.planner.close()
+                service.planner.close()
                 return {"mode": mode, "skipped": "the corpus does not fit the context window",
-                        "corpus_tokens": service.planner.progress.get("corpus_tokens")}
-            await service.planner.warmed()  # the benchmark measures warm traffic
+                        "corpus_tokens": progress.corpus_tokens}
             warmup_s = time.perf_counter() - started
 
         async def one(question) -> Record:
@@ -89,14 +90,14 @@ class Harness:
         records = await self._replay(stream, one)
         wall_s = time.perf_counter() - started
         after = await self._counters()
-        warmed = service.planner.warmed_prompts if service is not None else []
+        warmed = service.warmer.warmed_prompts if service is not None else []
         ceiling = await self._ceiling(records, mode, warmed)
         result = {"mode": mode, "k": k, "warmup_s": round(warmup_s, 3)}
         result |= summarise(records, stream, after[0] - before[0], after[1] - before[1], wall_s, ceiling)
         result["strategy"] = service.planner.name if service is not None else "naive"
         if service is not None:
-            result["warmup"] = dict(service.planner.progress)
-            await service.planner.close()
+            result["warmup"] = asdict(service.warmer.progress)
+            service.planner.close()
         return result
 
     async def _replay(self, stream, one) -> list[Record]:

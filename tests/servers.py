@@ -41,11 +41,14 @@ class AppServer:
             time.sleep(0.2)
         raise TimeoutError(f"app not ready: {response.json()}")
 
-    def wait_warmed(self, units: int, timeout: float = 60) -> dict:
-        """Wait until background pre-warm reports ``units`` units (or the corpus) warmed; return /readyz."""
+    def wait_warmed(self, units: int = 0, timeout: float = 60, done: bool = False) -> dict:
+        """Wait until background pre-warm has warmed the stable prefix and ``units`` units (or the corpus), or
+        with ``done`` until it finished; return /readyz."""
+        def warmed(w: dict) -> bool:
+            return w["prefix_tokens"] > 0 and w["units_warmed"] >= units and (w["state"] == "done" or not done)
+
         deadline = time.monotonic() + timeout
-        while (status := httpx.get(self.url + "/readyz", timeout=5).json())["warmup"]["detail"].get(
-                "units_warmed", 0) < units:
+        while not warmed((status := httpx.get(self.url + "/readyz", timeout=5).json())["warmup"]):
             if time.monotonic() > deadline:
                 raise TimeoutError(f"pre-warm did not reach {units} units: {status}")
             time.sleep(0.2)

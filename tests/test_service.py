@@ -72,8 +72,8 @@ def floor_block(tokens: int, block: int) -> int:
 def test_prewarm_puts_the_system_prompt_in_cache_before_the_first_request(collections, vllm_url, embedder):
     reset_prefix_cache(vllm_url)
     with AppServer(create_app(app_settings(collections, vllm_url), embedder=embedder)) as server:
-        status = server.wait_ready()
-        block, warmed = status["vllm"]["block_size"], status["warmup"]["tokens"]
+        status = server.wait_warmed()
+        block, warmed = status["vllm"]["block_size"], status["warmup"]["prefix_tokens"]
         assert status["vllm"]["prefix_caching"] is True and block == 128
         assert warmed >= block, "the stable prefix must span at least one KV block, or warm-up cannot hit"
         first = ask(server, question="Why do tides rise and fall?")
@@ -187,8 +187,8 @@ def test_vllm_down_gives_503_then_recovers_without_restart(collections, vllm_url
         assert set(down.json()["error"]) == {"message", "type", "param", "code"}
         assert httpx.get(server.url + "/readyz").status_code == 503
         proxy.up()
-        status = server.wait_ready(30)
-        assert status["warmup"]["done"]
+        server.wait_ready(30)
+        assert server.wait_warmed(done=True)["warmup"]["state"] == "done"  # re-warmed once vLLM was back
         assert ask(server, question="What do anchors do?").status_code == 200
 
 

@@ -90,7 +90,9 @@ def test_same_selection_gives_the_same_prompt_and_the_budget_holds(articles_db, 
     from app.rag.planner import ContextPlanner
     from app.rag.prompts import PromptTemplates
     from app.rag.retriever import Retriever
+    from app.rag.traffic import LiveTraffic
     from app.rag.upstream import Upstream
+    from app.rag.warmup import Warmer
     from tests.conftest import ROOT
 
     settings = app_settings(articles_db, vllm_url, collection="articles", strategy=strategy, hotness_dir=None)
@@ -102,10 +104,10 @@ def test_same_selection_gives_the_same_prompt_and_the_budget_holds(articles_db, 
         retriever = Retriever(embedder, settings.chroma, ThreadPoolExecutor(1))
         builder = PromptBuilder(PromptTemplates.load(ROOT / "prompts"))
         planner = ContextPlanner(settings.generation, retriever, builder, llm, "articles", TokenEstimator())
-        await planner.warm(upstream.info)
+        await Warmer(planner, upstream, LiveTraffic(1, 0)).warm(upstream.info)
         ranked = await retriever.retrieve("When was the quay extended?", 3)
         streams = [await llm.tokenize(builder.messages(await planner.arrange(ranked, 4000), "q")) for _ in range(2)]
-        await planner.close()
+        planner.close()
         await llm.aclose()
         return streams
 
@@ -188,10 +190,9 @@ def test_a_chat_starts_on_the_pre_warmed_unit_even_with_its_own_system_prompt(ar
 def test_corpus_mode_hits_the_whole_corpus_on_every_request(articles_db, vllm_url, embedder):
     reset_prefix_cache(vllm_url)
     with strategy_app(articles_db, vllm_url, embedder, "corpus") as server:
-        status = server.wait_ready()
-        corpus_tokens = status["warmup"]["detail"]["corpus_tokens"]
-        assert status["warmup"]["detail"]["corpus_fits"] and corpus_tokens > 256
-        server.wait_warmed(units=1)
+        status = server.wait_warmed(units=1)
+        corpus_tokens = status["warmup"]["corpus_tokens"]
+        assert status["warmup"]["corpus_fits"] and corpus_tokens > 256
         for question in ("When was the quay extended?", "How far did the ice retreat?", "Which valley?"):
             answer = httpx.post(server.url + "/ask", json={"question": question, "max_tokens": 4}, timeout=60).json()
             assert answer["strategy"] == "corpus"

@@ -6,7 +6,7 @@ import asyncio
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from app.errors import UpstreamUnavailable
+from app.errors import StoreUnavailable
 from app.rag.context import ContextChunk
 from app.settings import ChromaSettings
 from ingest.store import PAGE, StoreError, forget_clients, open_collection, read_generation
@@ -28,7 +28,7 @@ class Retriever:
                 self._collection = open_collection(self.chroma, self.embedder.name, self.embedder.dimension,
                                                    create=False)
             except StoreError as exc:
-                raise UpstreamUnavailable(str(exc), code="collection_unavailable") from exc
+                raise StoreUnavailable(str(exc)) from exc
         return self._collection
 
     async def generation(self) -> str | None:
@@ -38,7 +38,7 @@ class Retriever:
             return await loop.run_in_executor(self.executor, read_generation, self.chroma, self.embedder.name,
                                               self.embedder.dimension)
         except StoreError as exc:
-            raise UpstreamUnavailable(str(exc), code="collection_unavailable") from exc
+            raise StoreUnavailable(str(exc)) from exc
 
     def reopen(self) -> None:
         """After an ingest changed the collection: open it afresh on the next request (embedded Chroma must
@@ -46,6 +46,19 @@ class Retriever:
         if not self.chroma.url:
             forget_clients()
         self._collection, self._sources = None, (0.0, [])
+
+    async def count(self) -> int:
+        """Chunks in the collection (cheap: no documents are read)."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.executor, self._count)
+
+    def _count(self) -> int:
+        try:
+            return self.collection.count()
+        except StoreUnavailable:
+            raise
+        except Exception as exc:
+            raise StoreUnavailable(f"Chroma count failed: {exc}") from exc
 
     async def retrieve(self, question: str, k: int, source_prefix: str | None = None) -> list[ContextChunk]:
         loop = asyncio.get_running_loop()
@@ -60,7 +73,7 @@ class Retriever:
             found = self.collection.query(query_embeddings=[vector], n_results=k, where=where,
                                           include=["documents", "metadatas", "distances"])
         except Exception as exc:
-            raise UpstreamUnavailable(f"Chroma query failed: {exc}", code="collection_unavailable") from exc
+            raise StoreUnavailable(f"Chroma query failed: {exc}") from exc
         rows = zip(found["ids"][0], found["documents"][0], found["metadatas"][0], found["distances"][0])
         return [to_chunk(chunk_id, text, meta, 1.0 - distance, rank)
                 for rank, (chunk_id, text, meta, distance) in enumerate(rows)]
@@ -72,6 +85,14 @@ class Retriever:
         return await loop.run_in_executor(self.executor, self._get_all, where, texts)
 
     def _get_all(self, where: dict | None, texts: bool) -> list[ContextChunk]:
+        try:
+            return self._read_pages(where, texts)
+        except StoreUnavailable:
+            raise
+        except Exception as exc:  # Chroma's own errors (a store deleted or rewritten under us)
+            raise StoreUnavailable(f"Chroma read failed: {exc}") from exc
+
+    def _read_pages(self, where: dict | None, texts: bool) -> list[ContextChunk]:
         chunks, offset = [], 0
         include = ["documents", "metadatas"] if texts else ["metadatas"]
         while True:

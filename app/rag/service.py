@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
-from app.errors import BadRequest, ContextTooLong, ServiceError, UpstreamUnavailable
+from app.errors import BadRequest, ContextTooLong, ServiceError, StoreUnavailable, UpstreamUnavailable
 from app.llm import Completion, Delta, LLMClient
 from app.metrics import ServiceMetrics
 from app.rag.budget import OverBudget, TokenEstimator, fit_to_budget
@@ -18,8 +19,10 @@ from app.rag.conversation import Turn, conversation_messages, new_context_per_tu
 from app.rag.lru import AsyncLRU
 from app.rag.planner import ContextPlanner
 from app.rag.retriever import Retriever
-from app.rag.upstream import Upstream, WarmupStatus
-from app.settings import GenerationSettings
+from app.rag.traffic import LiveTraffic
+from app.rag.upstream import Upstream
+from app.rag.warmup import Warmer
+from app.settings import GenerationSettings, TrafficSettings
 
 log = logging.getLogger("prefixrag.service")
 _UNSEEN = object()
@@ -77,21 +80,28 @@ class Answer:
 
 class RAGService:
     def __init__(self, settings: GenerationSettings, retriever: Retriever, llm: LLMClient, builder: PromptBuilder,
-                 upstream: Upstream, metrics: ServiceMetrics) -> None:
+                 upstream: Upstream, metrics: ServiceMetrics, traffic: TrafficSettings | None = None) -> None:
         self.settings, self.retriever, self.llm, self.builder = settings, retriever, llm, builder
         self.upstream, self.metrics = upstream, metrics
         self.estimator = TokenEstimator()
         self.planner = ContextPlanner(settings, retriever, builder, llm, retriever.chroma.collection, self.estimator)
-        upstream.warm = self.warm
+        limits = traffic or TrafficSettings()
+        self.traffic = LiveTraffic(limits.max_in_flight, limits.max_queued)
+        self.warmer = Warmer(self.planner, upstream, self.traffic)
         self._retrievals: AsyncLRU[list[ContextChunk]] = AsyncLRU(RETRIEVAL_CACHE_SIZE)
         self.collection_problem: str | None = "collection not checked yet"  # kept by watch_collection
 
     def readiness(self) -> dict:
-        """vLLM's status (``Upstream.status``), not ready while the collection is missing or unreadable."""
+        """Can it answer now? vLLM's status (``Upstream.status``), not ready while the collection is missing or
+        unreadable; pre-warm's progress and the load are reported, never waited for."""
         status = self.upstream.status()
         if self.collection_problem:
             status |= {"ready": False, "reason": self.collection_problem}
-        return status
+        traffic = self.traffic
+        return status | {"warmup": asdict(self.warmer.progress),
+                         "traffic": {"present": traffic.present, "max_in_flight": traffic.max_in_flight,
+                                     "max_queued": traffic.max_queued, "refused": traffic.refused,
+                                     "warmup_yields": traffic.yields}}
 
     def validate(self, query: Query) -> tuple[str, int, int]:
         question = query.question.strip() if isinstance(query.question, str) else ""
@@ -115,12 +125,15 @@ class RAGService:
         return self._watching_upstream(self._chat_stream(chat))
 
     async def _watching_upstream(self, events: AsyncIterator[Delta | Answer]) -> AsyncIterator[Delta | Answer]:
+        """Admission (a slot, or 429 at once) around the whole request, and vLLM's health watched."""
         try:
-            async for event in events:
-                yield event
-        except UpstreamUnavailable as exc:
-            if exc.code != "collection_unavailable":  # vLLM went away: readiness drops, the monitor re-probes
-                self.upstream.mark_down(exc.message)
+            async with self.traffic.slot():
+                async for event in events:
+                    yield event
+        except StoreUnavailable:
+            raise  # Chroma's problem, not vLLM's: the collection watcher keeps readiness for it
+        except UpstreamUnavailable as exc:  # vLLM went away: readiness drops, the monitor re-probes
+            self.upstream.mark_down(exc.message)
             raise
 
     async def _answer_stream(self, query: Query) -> AsyncIterator[Delta | Answer]:
@@ -273,22 +286,15 @@ class RAGService:
         self._retrievals.clear()
         self.planner.forget_collection()
         self.metrics.collection_reloads.inc()
-        if rewarm and self.upstream.info is not None:  # a deleted collection has nothing to warm
-            await self.warm()
-
-    async def warm(self) -> WarmupStatus:
-        """Pre-warm for the configured strategy (see ``ContextPlanner.warm``); metrics record the prefix."""
-        info = self.upstream.require()
-        self.builder.inert.use(info.special_tokens)  # before any unit is rendered for the cache
-        status = await self.planner.warm(info)
-        self.metrics.warmup_tokens.set(status.tokens)
-        return status
+        if rewarm:  # in the background; a deleted collection has nothing to warm
+            self.warmer.restart()
 
 
 async def _final(events: AsyncIterator[Delta | Answer]) -> Answer:
-    async for event in events:
-        if isinstance(event, Answer):
-            return event
+    async with contextlib.aclosing(events):  # closed here and now: its slot is free before we return
+        async for event in events:
+            if isinstance(event, Answer):
+                return event
     raise AssertionError("the stream ended without an Answer")
 
 

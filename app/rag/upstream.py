@@ -1,13 +1,12 @@
 """What we know about vLLM, kept fresh by a background monitor: reachable? which model, which window,
-is prefix caching on, which block size? And the warm-up, re-done whenever vLLM (re)appears."""
+is prefix caching on, which block size? It only probes and publishes: ``appeared`` is set each time vLLM
+(re)appears or restarts, which is when the warmer (``app.rag.warmup``) starts over."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import time
-from collections.abc import Awaitable, Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 from app.errors import ServiceError, UpstreamUnavailable
 from app.llm import LLMClient, metric_total, parse_metric_labels
@@ -26,28 +25,20 @@ class UpstreamInfo:
     special_tokens: tuple[str, ...] = ()  # the served tokenizer's, kept out of untrusted text
 
 
-@dataclass
-class WarmupStatus:
-    done: bool = False
-    tokens: int = 0
-    seconds: float = 0.0
-    detail: dict = field(default_factory=dict)
-
-
 class Upstream:
     def __init__(self, llm: LLMClient, settings: VLLMSettings) -> None:
         self.llm, self.settings = llm, settings
         self.info: UpstreamInfo | None = None
         self.reachable = False
         self.reason = "not checked yet"
-        self.warmup = WarmupStatus()
-        self.warm: Callable[[], Awaitable[WarmupStatus]] | None = None  # set by the service
+        self.appeared = asyncio.Event()  # set on every (re)appearance or restart; the warmer clears it
         self._wake = asyncio.Event()
         self._queries_seen = 0.0
 
     @property
     def ready(self) -> bool:
-        return self.reachable and self.warmup.done
+        """vLLM can answer now (warm or not: readiness never waits for pre-warm)."""
+        return self.reachable and self.info is not None
 
     def require(self) -> UpstreamInfo:
         if self.info is None:
@@ -59,7 +50,6 @@ class Upstream:
         re-probes at once. Later failures change nothing: probes keep their own pace whatever the request rate."""
         was_reachable = self.reachable
         self.reachable, self.reason = False, reason
-        self.warmup.done = False
         if was_reachable:
             self._wake.set()
 
@@ -71,7 +61,7 @@ class Upstream:
                 failures, last_warning = 0, None
             except ServiceError as exc:
                 failures += 1
-                self.reachable, self.reason, self.warmup.done = False, exc.message, False
+                self.reachable, self.reason = False, exc.message
                 if exc.message != last_warning:  # once per state change, not once per probe
                     last_warning = exc.message
                     log.warning("vLLM at %s not ready (attempt %d): %s", self.settings.url, failures, exc.message)
@@ -94,21 +84,14 @@ class Upstream:
         queries = metric_total(metrics, "vllm:prefix_cache_queries_total")
         if queries < self._queries_seen:
             log.warning("vLLM counters went back (%s -> %s): it restarted; re-warming", self._queries_seen, queries)
-            self.warmup.done = False
+            self.appeared.set()
         self._queries_seen = queries
         if not self.reachable:
             log.info("vLLM ready at %s: model=%s max_model_len=%d block_size=%d prefix_caching=%s",
                      self.settings.url, self.info.model, self.info.max_model_len, self.info.block_size,
                      self.info.prefix_caching)
-        self.reachable = True
-        if not self.warmup.done and self.warm is not None:
-            self.reason = "warming up"
-            started = time.perf_counter()
-            self.warmup = await self.warm()
-            self.warmup.seconds = round(time.perf_counter() - started, 3)
-            self._queries_seen = metric_total(await self.llm.metrics_text(), "vllm:prefix_cache_queries_total")
-            log.info("warm-up done: %d prefix tokens in %.2fs", self.warmup.tokens, self.warmup.seconds)
-        self.reason = "ready"
+            self.appeared.set()
+        self.reachable, self.reason = True, "ready"
 
     def _read_info(self, models: list[dict], metrics: str) -> UpstreamInfo:
         wanted = self.settings.model
@@ -130,4 +113,4 @@ class Upstream:
 
     def status(self) -> dict:
         return {"ready": self.ready, "reason": self.reason, "vllm_url": self.settings.url,
-                "vllm": asdict(self.info) if self.info else None, "warmup": asdict(self.warmup)}
+                "vllm": asdict(self.info) if self.info else None}

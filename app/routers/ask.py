@@ -6,7 +6,7 @@ import json
 import logging
 from collections.abc import AsyncIterator
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
 from app.deps import Authorized, MetricsDep, ServiceDep
@@ -15,15 +15,15 @@ from app.llm import Delta
 from app.protocol import (INTERNAL_ERROR, STREAMED_200, AskRequest, AskResponse, AskUsage, ErrorResponse, Source,
                           Timings, error_body)
 from app.rag.service import Answer, Query
-from app.routers.streaming import started
+from app.routers.streaming import started, unless_client_leaves
 
 log = logging.getLogger("prefixrag.ask")
 router = APIRouter(tags=["ask"], dependencies=[Authorized])
-ERRORS = STREAMED_200 | {code: {"model": ErrorResponse} for code in (400, 401, 413, 503, 504)}
+ERRORS = STREAMED_200 | {code: {"model": ErrorResponse} for code in (400, 401, 413, 429, 503, 504)}
 
 
 @router.post("/ask", response_model=AskResponse, responses=ERRORS)
-async def ask(body: AskRequest, service: ServiceDep, metrics: MetricsDep):
+async def ask(body: AskRequest, request: Request, service: ServiceDep, metrics: MetricsDep):
     query = Query(question=body.question, top_k=body.top_k, max_tokens=body.max_tokens,
                   source_prefix=body.filters.source_prefix if body.filters else None)
     if body.stream:
@@ -31,7 +31,7 @@ async def ask(body: AskRequest, service: ServiceDep, metrics: MetricsDep):
         return StreamingResponse(_sse(events), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     with metrics.latency.labels("ask").time():
-        answer = await service.answer(query)
+        answer = await unless_client_leaves(request, service.answer(query))
     metrics.requests.labels("ask", "200").inc()
     return to_response(answer)
 

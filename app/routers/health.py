@@ -6,7 +6,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from app.deps import Authorized, MetricsDep, ServiceDep, SettingsDep, UpstreamDep
+from app.deps import Authorized, MetricsDep, ServiceDep, SettingsDep
 from app.edge import bearer_ok
 
 router = APIRouter(tags=["health"])
@@ -19,7 +19,8 @@ async def healthz() -> dict:
 
 @router.get("/readyz")
 async def readyz(request: Request, service: ServiceDep, settings: SettingsDep) -> JSONResponse:
-    """Ready = vLLM answers, the warm-up of the system prompt is done and the collection is readable. Open to
+    """Ready = it can answer now: vLLM answers and the collection is readable (pre-warm's progress is reported
+    under ``warmup``, never waited for; the load under ``traffic``). Open to
     probes without a key; with RAG_API_KEY set, only a caller holding the key sees the details (vLLM's URL,
     model, window, KV size, warm-up progress)."""
     status = service.readiness()
@@ -31,6 +32,5 @@ async def readyz(request: Request, service: ServiceDep, settings: SettingsDep) -
 
 @router.get("/metrics", dependencies=[Authorized], response_class=Response,
             responses={200: {"content": {CONTENT_TYPE_LATEST.split(";")[0]: {}}, "description": "Prometheus text"}})
-async def metrics(registry: MetricsDep, upstream: UpstreamDep) -> Response:
-    registry.upstream_ready.set(1 if upstream.ready else 0)
+async def metrics(registry: MetricsDep) -> Response:
     return Response(generate_latest(registry.registry), media_type=CONTENT_TYPE_LATEST)

@@ -8,7 +8,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
 from app.deps import Authorized, ServiceDep, SettingsDep
@@ -19,11 +19,11 @@ from app.protocol import (INTERNAL_ERROR, STREAMED_200, AssistantMessage, ChatCh
                           ErrorResponse, ModelCard, ModelList, PromptTokensDetails, error_body)
 from app.rag.conversation import Turn
 from app.rag.service import Answer, ChatQuery
-from app.routers.streaming import started
+from app.routers.streaming import started, unless_client_leaves
 
 log = logging.getLogger("prefixrag.chat")
 router = APIRouter(prefix="/v1", tags=["openai"], dependencies=[Authorized])
-ERRORS = STREAMED_200 | {code: {"model": ErrorResponse} for code in (400, 401, 413, 404, 503, 504)}
+ERRORS = STREAMED_200 | {code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 429, 503, 504)}
 
 
 @router.get("/models", response_model=ModelList)
@@ -32,7 +32,8 @@ async def list_models(settings: SettingsDep) -> ModelList:
 
 
 @router.post("/chat/completions", response_model=ChatCompletion, responses=ERRORS)
-async def chat_completions(body: ChatCompletionRequest, service: ServiceDep, settings: SettingsDep):
+async def chat_completions(body: ChatCompletionRequest, request: Request, service: ServiceDep,
+                           settings: SettingsDep):
     model = settings.service.model_id
     if body.model not in (None, model):
         raise NotFound(f"model {body.model!r} does not exist; GET /v1/models lists {model!r}", param="model",
@@ -46,7 +47,7 @@ async def chat_completions(body: ChatCompletionRequest, service: ServiceDep, set
         events = await started(service.chat_stream(chat))  # failures before the first token keep their status
         return StreamingResponse(_sse(events, ident, created, model, include_usage, append),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-    answer = await service.chat(chat)
+    answer = await unless_client_leaves(request, service.chat(chat))
     return ChatCompletion(id=ident, created=created, model=model, usage=usage_of(answer),
                           sources=sources_of(answer), choices=[ChatChoice(
                               message=AssistantMessage(content=answer.text + (sources_text(answer) if append else "")),
