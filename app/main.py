@@ -34,7 +34,8 @@ def create_app(settings: Settings | None = None, *, embedder=None) -> FastAPI:
 
         templates = PromptTemplates.load(settings.service.prompts_dir)  # fail fast on a broken template
         executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="retrieve")
-        encoder = embedder or await asyncio.get_running_loop().run_in_executor(executor, Embedder, settings.embedding)
+        encoder = embedder or await asyncio.get_running_loop().run_in_executor(
+            executor, lambda: Embedder(settings.embedding).load())  # loaded now, not by the first question
         llm = LLMClient(settings.vllm)
         upstream = Upstream(llm, settings.vllm)
         metrics = ServiceMetrics()

@@ -50,7 +50,7 @@ def big_document_ingest(tmp: Path) -> dict:
     report = run_ingest([docs], settings, embedder)
     from ingest.store import open_collection
 
-    stored = open_collection(settings.chroma, embedder.name, embedder.dimension, create=False).count()
+    stored = open_collection(settings.chroma, embedder, create=False).count()
     return {"bytes": len(text.encode()), "expected_chunks": expected, "stored_chunks": stored,
             "chunks_embedded": report.chunks_embedded, "failed": report.failed,
             "seconds": round(time.perf_counter() - started, 1), "exact": stored == expected}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 from functools import cached_property
 
 from app.settings import PACKAGED_EMBEDDER, EmbeddingSettings
@@ -18,22 +19,26 @@ def resolve_model_path(model: str) -> str:
 
 
 class Embedder:
-    """Normalised embeddings plus the tokenizer that measures chunks, so no chunk exceeds the window."""
+    """Normalised embeddings plus the tokenizer that measures chunks, so no chunk exceeds the window.
+
+    The encoder loads on first use (or ``load()``): a re-ingest with nothing new to embed never pays for it."""
 
     def __init__(self, settings: EmbeddingSettings) -> None:
-        # Weights never come from a hub at run time: everything is local.
-        os.environ.setdefault("HF_HUB_OFFLINE", "1")
-        os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-        from sentence_transformers import SentenceTransformer
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.disable_progress_bar()  # "Loading weights" bars would clutter CLI output and logs
-
         self.settings = settings
-        self.model_path = resolve_model_path(settings.model)
-        self.model = SentenceTransformer(self.model_path, device=settings.device)
         self.name = settings.model
+        self._model = None
+        self._lock = threading.Lock()
+
+    def load(self) -> "Embedder":
+        _ = self.model
+        return self
+
+    @property
+    def model(self):
+        with self._lock:  # two threads asking first must not load it twice
+            if self._model is None:
+                self._model = _load(self.settings)
+            return self._model
 
     @cached_property
     def tokenizer(self):
@@ -47,7 +52,7 @@ class Embedder:
         """Content tokens per chunk: the encoder window less [CLS] and [SEP]."""
         return int(self.model.max_seq_length) - 2
 
-    @property
+    @cached_property
     def dimension(self) -> int:
         getter = getattr(self.model, "get_embedding_dimension", None) or self.model.get_sentence_embedding_dimension
         return int(getter())
@@ -63,3 +68,15 @@ class Embedder:
             convert_to_numpy=True, show_progress_bar=False,
         )
         return vectors.tolist()
+
+
+def _load(settings: EmbeddingSettings):
+    # Weights never come from a hub at run time: everything is local.
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    from sentence_transformers import SentenceTransformer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # "Loading weights" bars would clutter CLI output and logs
+    return SentenceTransformer(resolve_model_path(settings.model), device=settings.device)

@@ -9,10 +9,12 @@ leaves extra or missing chunks that the next run detects and converges from, re-
 from __future__ import annotations
 
 import copy
+import functools
 import hashlib
 import stat
 import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -139,7 +141,8 @@ def run_ingest(roots: list[Path], settings: Settings, embedder, *, prune: bool =
             by_source.setdefault(entry.source, []).append(entry)
             ids_by_source.setdefault(entry.source, []).append(doc_id)
         identity = pipeline_identity(settings, embedder.name)
-        chunker = chunker_for(settings, embedder)
+        # Built on first use: a re-ingest where nothing changed never loads the encoder (its tokenizer).
+        chunker = functools.cache(lambda: chunker_for(settings, embedder))
 
         def prepare(path: Path, rel: str) -> FileResult:
             return plan(load(path, rel, settings, identity, by_source), stored, chunker, identity)
@@ -183,7 +186,7 @@ def _write_and_prune(files, prepare, stored: dict[str, StoredDocument], ids_by_s
 def _open_for(settings: Settings, embedder, dry_run: bool):
     """A dry run creates nothing: a collection that does not exist yet reads as empty."""
     try:
-        return open_collection(settings.chroma, embedder.name, embedder.dimension, create=not dry_run)
+        return open_collection(settings.chroma, embedder, create=not dry_run)
     except CollectionMissing:
         return None
 
@@ -192,12 +195,13 @@ def _failed(report: IngestReport) -> set[str]:
     return {failure["path"] for failure in report.failed}
 
 
-def plan(result: FileResult, stored: dict[str, StoredDocument], chunker: Chunker, identity: str) -> FileResult:
+def plan(result: FileResult, stored: dict[str, StoredDocument], chunker: Callable[[], Chunker],
+         identity: str) -> FileResult:
     """Hash each loaded document and chunk the changed ones (worker thread: reads ``stored``, writes nothing)."""
     for document in result.documents:
         doc_hash = document_hash(document, identity)
         unchanged = is_unchanged(stored.get(document.doc_id), doc_hash)
-        result.plans.append((document, doc_hash, None if unchanged else chunker.chunk(document)))
+        result.plans.append((document, doc_hash, None if unchanged else chunker().chunk(document)))
     return result
 
 

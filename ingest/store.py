@@ -63,16 +63,21 @@ def open_client(cfg: ChromaSettings, create: bool = True):
         raise StoreError(f"cannot open Chroma at {where}: {exc}") from exc
 
 
-def open_collection(cfg: ChromaSettings, embedder_name: str, dimension: int, create: bool):
+def open_collection(cfg: ChromaSettings, embedder, create: bool):
+    """The collection (``create``: made if missing); ``embedder`` names the encoder the collection must have
+    been embedded with (its ``dimension`` is read only to create one: opening never loads the encoder)."""
+    embedder_name = embedder.name
     client = open_client(cfg, create)
     try:
-        if create:
+        try:
+            collection = client.get_collection(cfg.collection, embedding_function=None)
+        except Exception as exc:
+            if not create or "does not exist" not in str(exc):
+                raise
             collection = client.get_or_create_collection(
                 cfg.collection, configuration={"hnsw": {"space": "cosine"}}, embedding_function=None,
-                metadata={"embedder": embedder_name, "dimension": dimension},
+                metadata={"embedder": embedder_name, "dimension": embedder.dimension},
             )
-        else:
-            collection = client.get_collection(cfg.collection, embedding_function=None)
     except Exception as exc:
         if not create and "does not exist" in str(exc):
             raise CollectionMissing(f"collection {cfg.collection!r} does not exist: ingest documents first") from exc
@@ -89,10 +94,10 @@ def mark_changed(collection) -> None:
     collection.modify(metadata={**(collection.metadata or {}), GENERATION_KEY: uuid.uuid4().hex})
 
 
-def read_generation(cfg: ChromaSettings, embedder_name: str, dimension: int) -> str | None:
+def read_generation(cfg: ChromaSettings, embedder) -> str | None:
     """The collection's generation as stored now (opened afresh, not a cached object); None while it is missing."""
     try:
-        collection = open_collection(cfg, embedder_name, dimension, create=False)
+        collection = open_collection(cfg, embedder, create=False)
     except CollectionMissing:
         return None
     return (collection.metadata or {}).get(GENERATION_KEY, "")

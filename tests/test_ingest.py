@@ -14,7 +14,7 @@ from tests.fixtures_docs import write_corpus, write_pdf
 
 
 def collection_of(settings, embedder):
-    return open_collection(settings.chroma, embedder.name, embedder.dimension, create=False)
+    return open_collection(settings.chroma, embedder, create=False)
 
 
 def snapshot(settings, embedder) -> dict[str, tuple[str, dict]]:
@@ -262,12 +262,13 @@ def test_two_threads_opening_a_store_first_in_a_process_both_succeed(tmp_path, s
 import threading
 from pathlib import Path
 from app.settings import ChromaSettings
+from types import SimpleNamespace
 from ingest.store import open_collection
 cfg = ChromaSettings(path=Path({str(settings.chroma.path)!r}), collection={settings.chroma.collection!r})
 errors = []
 def open_it():
     try:
-        open_collection(cfg, {embedder.name!r}, {embedder.dimension}, create=False)
+        open_collection(cfg, SimpleNamespace(name={embedder.name!r}, dimension={embedder.dimension}), create=False)
     except Exception as exc:
         errors.append(repr(exc))
 threads = [threading.Thread(target=open_it) for _ in range(2)]

@@ -25,8 +25,7 @@ class Retriever:
         # Opened lazily and retried per request: the service may start before the first ingest.
         if self._collection is None:
             try:
-                self._collection = open_collection(self.chroma, self.embedder.name, self.embedder.dimension,
-                                                   create=False)
+                self._collection = open_collection(self.chroma, self.embedder, create=False)
             except StoreError as exc:
                 raise StoreUnavailable(str(exc)) from exc
         return self._collection
@@ -35,8 +34,7 @@ class Retriever:
         """The collection's generation stamp as stored now (None: no collection yet); see ``reopen``."""
         loop = asyncio.get_running_loop()
         try:
-            return await loop.run_in_executor(self.executor, read_generation, self.chroma, self.embedder.name,
-                                              self.embedder.dimension)
+            return await loop.run_in_executor(self.executor, read_generation, self.chroma, self.embedder)
         except StoreError as exc:
             raise StoreUnavailable(str(exc)) from exc
 
