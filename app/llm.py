@@ -47,16 +47,17 @@ class LLMClient:
 
     def chat_request(self, messages: list[dict], *, max_tokens: int, temperature: float, prefix_key: str,
                      stream: bool = True, repetition_penalty: float | None = None, priority: int | None = None,
-                     **options) -> dict:
+                     sampling: dict | None = None, **options) -> dict:
         """Keyword arguments for ``chat.completions.create``: the single definition of a vLLM request.
-        ``priority``: vLLM's scheduling priority (lower first; users 0), for background work."""
+        ``priority``: vLLM's scheduling priority (lower first; users 0), for background work; ``sampling``:
+        further vLLM sampling parameters (``RAG_GENERATION__EXTRA_SAMPLING``)."""
         request = {
             "model": self.model, "messages": messages, "max_tokens": max_tokens, "temperature": temperature,
             "stream": stream, "extra_headers": {self.settings.affinity_header: prefix_key},
         }
         if stream:
             request["stream_options"] = {"include_usage": True}
-        extensions = {"repetition_penalty": repetition_penalty, "priority": priority}  # vLLM's own fields
+        extensions = {"repetition_penalty": repetition_penalty, "priority": priority, **(sampling or {})}
         if any(v is not None for v in extensions.values()):
             request["extra_body"] = {k: v for k, v in extensions.items() if v is not None}
         request.update({k: v for k, v in options.items() if v is not None})

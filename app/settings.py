@@ -103,6 +103,9 @@ class GenerationSettings(BaseModel):
     temperature: float = Field(0.0, ge=0, le=2, description="Sampling temperature.")
     repetition_penalty: float | None = Field(
         None, gt=0, description="vLLM repetition_penalty (small models loop without one; e.g. 1.2 for SmolLM2).")
+    extra_sampling: dict[str, float | int | bool | str] = Field(
+        default_factory=dict, description="Further vLLM sampling parameters sent with every answer request, as "
+        'JSON (e.g. {"min_p": 0.05, "top_k": 40}); see vLLM\'s SamplingParams.')
     max_question_chars: int = Field(4000, ge=1, description="Longest accepted question (each user turn of a "
                                     "chat too), in characters.")
     max_chat_messages: int = Field(64, ge=1, description="Most user + assistant messages a chat request may carry.")

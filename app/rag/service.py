@@ -208,7 +208,7 @@ class RAGService:
         request = self.llm.chat_request(
             messages, max_tokens=max_tokens, prefix_key=prefix_key(context[:1]),
             temperature=self.settings.temperature if temperature is None else temperature,
-            repetition_penalty=self.settings.repetition_penalty, **options)
+            repetition_penalty=self.settings.repetition_penalty, sampling=self.settings.extra_sampling, **options)
         completion, first_token = Completion(), None
         async for delta in self.llm.stream_chat(request, completion):
             first_token = first_token or time.perf_counter()

@@ -1,0 +1,161 @@
+"""Live traffic first, against a real vLLM CPU server: pre-warm gives way to users, overload is a fast 429, a
+client that leaves takes its vLLM request with it, and SIGTERM drains then exits."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from app.llm import metric_total
+from app.main import create_app
+from tests.conftest import ROOT, free_port, wait_for_http
+from tests.servers import AppServer
+from tests.test_service import app_settings, collections  # noqa: F401  (fixture re-used)
+
+pytestmark = pytest.mark.vllm
+LONG = 3000  # answer tokens: the CPU test model decodes for far longer than any check below waits
+IGNORE_EOS = {"ignore_eos": True}  # the dummy-weight model may pick EOS early; these answers must run long
+
+
+def running(vllm_url: str) -> float:
+    text = httpx.get(vllm_url.removesuffix("/v1") + "/metrics", timeout=10).text
+    return metric_total(text, "vllm:num_requests_running") + metric_total(text, "vllm:num_requests_waiting")
+
+
+def vllm_counters(vllm_url: str) -> tuple[float, float]:
+    """(prompt tokens prefilled, requests finished) so far."""
+    text = httpx.get(vllm_url.removesuffix("/v1") + "/metrics", timeout=10).text
+    return metric_total(text, "vllm:prompt_tokens_total"), metric_total(text, "vllm:request_success_total")
+
+
+def wait_until(predicate, timeout: float, what: str) -> float:
+    """Seconds until ``predicate()`` held; fails after ``timeout``."""
+    started = time.monotonic()
+    while not predicate():
+        if time.monotonic() - started > timeout:
+            raise AssertionError(f"{what}: not within {timeout} s")
+        time.sleep(0.1)
+    return time.monotonic() - started
+
+
+def test_a_background_request_is_aborted_in_vllm_when_a_user_arrives_and_resent_after(vllm_url):
+    from app.llm import LLMClient
+    from app.rag.traffic import LiveTraffic
+    from app.settings import VLLMSettings
+
+    attempts = []
+
+    async def scenario():
+        llm = LLMClient(VLLMSettings(url=vllm_url))
+        llm.model = "prefixrag-test-model"
+        traffic = LiveTraffic(max_in_flight=1, max_queued=0)
+
+        async def warm_request():  # the first attempt would decode for minutes; a re-sent one is short
+            attempts.append(time.monotonic())
+            max_tokens = LONG if len(attempts) == 1 else 1
+            return await llm.complete(llm.chat_request([{"role": "user", "content": "warm"}], max_tokens=max_tokens,
+                                                       temperature=0.0, prefix_key="warmup", stream=False,
+                                                       sampling=IGNORE_EOS))
+
+        background = asyncio.create_task(traffic.yielding(warm_request))
+        await asyncio.to_thread(wait_until, lambda: running(vllm_url) == 1, 30, "the warm-up request running")
+        async with traffic.slot():  # a user arrives
+            await asyncio.to_thread(wait_until, lambda: running(vllm_url) == 0, 10, "vLLM aborting the warm-up")
+            await asyncio.sleep(1)
+            assert len(attempts) == 1, "nothing background may start while a user is present"
+        response = await asyncio.wait_for(background, 60)
+        await llm.aclose()
+        return traffic, response
+
+    traffic, response = asyncio.run(scenario())
+    assert traffic.yields == 1 and len(attempts) == 2
+    assert response.usage.completion_tokens == 1  # the re-sent request ran to its end
+
+
+def test_over_capacity_is_a_fast_429_with_retry_after_in_openai_shape(collections, vllm_url, embedder):  # noqa: F811
+    settings = app_settings(collections, vllm_url, extra_sampling=IGNORE_EOS)
+    settings.traffic.max_in_flight, settings.traffic.max_queued = 1, 0
+    with AppServer(create_app(settings, embedder=embedder)) as server:
+        server.wait_ready()
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+        body = {"question": "What do anchors do?", "max_tokens": LONG, "stream": True}
+        with httpx.stream("POST", server.url + "/ask", json=body, timeout=60) as holder:
+            assert holder.status_code == 200
+            lines = holder.iter_lines()  # kept: a dropped iterator closes the response, and the slot with it
+            next(lines)  # the one slot is taken, for as long as this answer decodes
+            started = time.monotonic()
+            refused = httpx.post(server.url + "/ask", json={"question": "What do tides do?"}, timeout=30)
+            elapsed = time.monotonic() - started
+            refused_stream = httpx.post(server.url + "/ask", json={"question": "Why?", "stream": True}, timeout=30)
+            with pytest.raises(openai.RateLimitError):
+                client.chat.completions.create(model="prefixrag", messages=[{"role": "user", "content": "Why?"}],
+                                               stream=True)
+            metrics = httpx.get(server.url + "/metrics").text
+        for response in (refused, refused_stream):
+            assert response.status_code == 429, response.text
+            assert int(response.headers["Retry-After"]) >= 1
+            assert response.json()["error"]["code"] == "overloaded"
+            assert set(response.json()["error"]) == {"message", "type", "param", "code"}
+        assert elapsed < 5, "refused at once, not after waiting"
+        assert metric_total(metrics, "prefixrag_requests_refused_total") == 3
+        # The holder has gone: its slot comes back and requests are admitted again.
+        wait_until(lambda: httpx.post(server.url + "/ask", json={"question": "What do anchors do?"},
+                                      timeout=60).status_code == 200, 30, "a slot freed after the stream closed")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_client_that_leaves_aborts_its_vllm_request(collections, vllm_url, embedder, stream):  # noqa: F811
+    settings = app_settings(collections, vllm_url, extra_sampling=IGNORE_EOS)
+    with AppServer(create_app(settings, embedder=embedder)) as server:
+        server.wait_ready()
+        wait_until(lambda: running(vllm_url) == 0, 30, "an idle vLLM to start from")
+        before = vllm_counters(vllm_url)
+        body = {"question": "What do anchors do?", "max_tokens": LONG, "stream": stream}
+        if stream:  # the client reads the first tokens, then hangs up mid-answer
+            with httpx.stream("POST", server.url + "/ask", json=body, timeout=30) as response:
+                next(response.iter_lines())
+        else:  # the client gives up waiting for a long answer
+            with pytest.raises(httpx.ReadTimeout):
+                httpx.post(server.url + "/ask", json=body, timeout=httpx.Timeout(30, read=3))
+        wait_until(lambda: running(vllm_url) == 0, 10, "vLLM aborting the abandoned request")
+        after = vllm_counters(vllm_url)
+        assert after[0] > before[0], "the request reached vLLM (its prompt was prefilled)"
+        assert after[1] == before[1], "and was aborted, not decoded to its end"
+        status = httpx.get(server.url + "/readyz").json()
+        assert status["traffic"]["present"] == 0  # and its slot is free
+
+
+def test_sigterm_drains_for_a_bounded_time_then_exits_leaving_no_vllm_work(collections, vllm_url):  # noqa: F811
+    port = free_port()
+    env = os.environ | {"RAG_VLLM_URL": vllm_url, "RAG_CHROMA_PATH": str(collections), "RAG_COLLECTION": "facts",
+                        "RAG_SERVICE__PORT": str(port), "RAG_TRAFFIC__DRAIN_S": "2",
+                        "RAG_GENERATION__EXTRA_SAMPLING": '{"ignore_eos": true}'}
+    app = subprocess.Popen([sys.executable, "-m", "app"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_for_http(url + "/healthz", 120)
+        wait_until(lambda: httpx.get(url + "/readyz").status_code == 200, 60, "the app ready")
+        wait_until(lambda: running(vllm_url) == 0, 30, "an idle vLLM to start from")
+        thread = threading.Thread(target=lambda: httpx.post(url + "/ask", timeout=120, json={
+            "question": "What do anchors do?", "max_tokens": LONG}), daemon=True)
+        thread.start()
+        wait_until(lambda: running(vllm_url) == 1, 30, "the answer decoding in vLLM")
+        app.send_signal(signal.SIGTERM)
+        exited = wait_until(lambda: app.poll() is not None, 30, "the app exiting after its drain time")
+        assert exited >= 1.5, "requests in flight get their drain time"
+        wait_until(lambda: running(vllm_url) == 0, 10, "no orphaned vLLM work")
+    finally:
+        app.kill()
+        output = app.communicate()[0]
+    assert app.returncode in (0, -signal.SIGTERM), output  # uvicorn re-raises the signal once it has shut down
+    assert "Cancel 1 running task(s), timeout graceful shutdown exceeded" in output
