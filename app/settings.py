@@ -88,6 +88,9 @@ class VLLMServerSettings(BaseModel):
     tensor_parallel_size: int = Field(1, ge=1, description="GPUs one model is split across (CUDA).")
     quantization: str | None = Field(None, description="vLLM --quantization (e.g. awq, fp8).")
     dtype: str = Field("auto", description="Weights/activation dtype.")
+    cpu_nice: int = Field(
+        5, ge=0, le=19, description="CPU backend: vLLM runs this much nicer than the app, so on a shared machine "
+        "the app's own work (HTTP, retrieval, /healthz) is never starved by vLLM's busy cores (0: off).")
     cpu_kvcache_space_gib: int = Field(4, ge=1, description="VLLM_CPU_KVCACHE_SPACE on the CPU backend (GiB).")
     enforce_eager: bool | None = Field(
         None, description="Skip graph capture/compile (default: on for CPU, where start-up drops from ~100 s to "

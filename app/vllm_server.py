@@ -110,11 +110,15 @@ def parse_args(argv: list[str] | None) -> tuple[VLLMServerSettings, bool]:
 
 def main(argv: list[str] | None = None) -> None:
     cfg, dry_run = parse_args(argv)
-    argv_vllm, env = build_command(cfg, gpu=has_cuda())
+    gpu = has_cuda()
+    argv_vllm, env = build_command(cfg, gpu=gpu)
+    nice = 0 if gpu else cfg.cpu_nice
     printable = " ".join(f"{k}={v}" for k, v in env.items()) + " " + shlex.join(argv_vllm)
-    print(f"[prefixrag] starting vLLM: {printable.strip()}", flush=True)
+    print(f"[prefixrag] starting vLLM{f' (nice +{nice})' if nice else ''}: {printable.strip()}", flush=True)
     if dry_run:
         return
+    if nice:
+        os.nice(nice)
     os.execvpe(argv_vllm[0], argv_vllm, os.environ | env)
 
 

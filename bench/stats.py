@@ -106,3 +106,34 @@ def plot_replay(results: list[dict], path: Path, title: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def plot_live_traffic(result: dict, path: Path) -> None:
+    """TTFT against time since the app started (during pre-warm, then after), and the overload latencies."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    for rows, label in ((result["during_warmup"], "during pre-warm"), (result["after_warmup"], "after pre-warm"),
+                        (result["cold_idle"], "idle, cache reset")):
+        left.plot([r["t_s"] for r in rows], [r["ttft_ms"] for r in rows], "o", label=label)
+    left.axvline(result["ready_s"], color="grey", linestyle=":", label="/readyz 200")
+    left.axvline(result["warmup_done_s"], color="black", linestyle="--", label="pre-warm done")
+    left.set_xlabel("seconds since the app started")
+    left.set_ylabel("TTFT (ms)")
+    left.legend(fontsize=8)
+    load, single = result["load"], result["single"]
+    admitted = sorted(r["ms"] for r in load["requests"] if r["status"] == 200)
+    alone = sorted(r["ms"] for r in single["requests"] if r["status"] == 200)
+    for values, label in ((alone, "1 client"), (admitted, f"{load['clients']} clients (admitted)")):
+        right.plot(values, [i / max(1, len(values) - 1) for i in range(len(values))], label=label)
+    right.axvline(3 * single["p50_ms"], color="red", linestyle=":", label="3x single p50")
+    right.set_xlabel("latency (ms)")
+    right.set_ylabel("share of requests")
+    right.legend(fontsize=8)
+    fig.suptitle(f"live traffic first: {load['statuses']}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

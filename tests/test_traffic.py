@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -18,7 +19,7 @@ import pytest
 from app.llm import metric_total
 from app.main import create_app
 from tests.conftest import ROOT, free_port, wait_for_http
-from tests.servers import AppServer
+from tests.servers import AppServer, reset_prefix_cache
 from tests.test_service import app_settings, collections  # noqa: F401  (fixture re-used)
 
 pytestmark = pytest.mark.vllm
@@ -159,3 +160,54 @@ def test_sigterm_drains_for_a_bounded_time_then_exits_leaving_no_vllm_work(colle
         output = app.communicate()[0]
     assert app.returncode in (0, -signal.SIGTERM), output  # uvicorn re-raises the signal once it has shut down
     assert "Cancel 1 running task(s), timeout graceful shutdown exceeded" in output
+
+
+@pytest.fixture(scope="module")
+def books(tmp_path_factory, embedder):
+    """24 documents of ~2K words: every unit warm-up is a real prefill (~64K tokens in all, seconds on CPU)."""
+    from app.settings import Settings
+    from ingest.pipeline import run_ingest
+
+    base = tmp_path_factory.mktemp("books")
+    words = " ".join(p.read_text() for p in (ROOT / "docs").glob("*.md")).split()
+    rng = random.Random(11)
+    for number in range(24):
+        (base / f"book-{number:02d}.md").write_text(" ".join(rng.choice(words) for _ in range(2000)) + "\n")
+    settings = Settings(_env_file=None)
+    settings.chroma.path, settings.chroma.collection = base / "chroma", "books"
+    report = run_ingest([base], settings, embedder)
+    return base / "chroma", report.chunks_written
+
+
+def test_a_question_during_pre_warm_goes_first_and_pre_warm_finishes_after(books, vllm_url, embedder):
+    chroma, chunks = books
+    reset_prefix_cache(vllm_url)
+    settings = app_settings(chroma, vllm_url, collection="books", strategy="auto", hotness_dir=None)
+    app = create_app(settings, embedder=embedder)
+    with AppServer(app) as server:
+        tokenized = []
+        server.wait_ready()  # ready at once: readiness never waits for pre-warm
+        llm = app.state.service.llm
+        count = llm.tokenize
+
+        async def counted(messages):
+            tokenized.append(sum(len(m["content"]) for m in messages))
+            return await count(messages)
+
+        llm.tokenize = counted
+        status = server.wait_warmed(units=1, timeout=60)["warmup"]
+        assert status["state"] == "warming" and status["units_warmed"] < status["units_planned"]
+        answer = httpx.post(server.url + "/ask", json={"question": "What does the chunker do?", "max_tokens": 4},
+                            timeout=120)
+        during = httpx.get(server.url + "/readyz").json()
+        done = server.wait_warmed(done=True, timeout=120)["warmup"]
+        metrics = httpx.get(server.url + "/metrics").text
+    assert answer.status_code == 200, answer.text
+    assert during["traffic"]["warmup_yields"] >= 1, "a warm-up request in flight was aborted for the question"
+    assert done["units_warmed"] == done["units_planned"] > 1 and done["tokens"] > 30_000
+    # The corpus (~64K tokens) cannot fit a 4K window: decided from its size, never sent to /tokenize.
+    assert done["corpus_chunks"] == chunks and done["corpus_fits"] is False and done["corpus_tokens"] is None
+    assert not any(size > 20_000 for size in tokenized)
+    assert metric_total(metrics, "prefixrag_warmup_done") == 1
+    assert 'prefixrag_warmup_units{kind="warmed"} ' + f"{float(done['units_warmed'])}" in metrics
+
