@@ -72,3 +72,4 @@ def create_app(settings: Settings | None = None, *, embedder=None) -> FastAPI:
     app.include_router(openai_chat.router)
     app.include_router(page.router)
     return app
+

@@ -64,7 +64,9 @@ class VLLMSettings(BaseModel):
     timeout_s: float = Field(120.0, gt=0, description="Per-request timeout to vLLM; over it /ask answers 504.")
     connect_retries: int = Field(60, ge=0, description="Start-up probes of vLLM before giving up logging (keeps probing).")
     retry_interval_s: float = Field(2.0, gt=0, description="Seconds between vLLM readiness probes.")
-    affinity_header: str = Field("X-Prefix-Affinity", description="Header carrying the prefix key (for vllm-router).")
+    affinity_header: str = Field(
+        "X-Session-ID", description="Header carrying each request's prefix-affinity key: vllm-router's "
+        "consistent_hash policy routes by it, so requests sharing a cached prefix reach the same replica.")
 
 
 class VLLMServerSettings(BaseModel):
@@ -142,7 +144,8 @@ class TrafficSettings(BaseModel):
     max_in_flight: int = Field(
         4, ge=1, description="User requests in the pipeline (retrieval + vLLM) at once. Measured on the 2-core "
         "CPU test model (bench/results/live-traffic.json); on a GPU raise it towards vLLM's max_num_seqs.")
-    max_queued: int = Field(4, ge=0, description="Requests waiting for a slot; one more is refused with 429.")
+    max_queued: int = Field(4, ge=0, description="Requests waiting for a slot; one more is refused with 429 "
+                            "(each place adds up to one service time to an admitted request's latency).")
     drain_s: float = Field(30.0, ge=0, description="On SIGTERM, how long requests in flight may finish before "
                            "they are cut off (their vLLM requests are aborted).")
 

@@ -207,3 +207,38 @@ def test_auto_picks_corpus_when_it_fits(articles_db, vllm_url, embedder):
         server.wait_ready()
         answer = httpx.post(server.url + "/ask", json={"question": "Which valley?", "max_tokens": 4}, timeout=60)
     assert answer.json()["strategy"] == "corpus"
+
+
+@pytest.mark.vllm
+def test_one_affinity_key_per_unit_for_its_warm_up_its_questions_and_whole_conversations(
+        articles_db, vllm_url, embedder, monkeypatch):
+    """vllm-router's consistent hash sends equal keys to one replica: a unit's pre-warm, the questions about it
+    and every turn of a conversation that started on it must carry the same key; two units, two keys."""
+    from openai import OpenAI
+
+    from app.llm import LLMClient
+
+    sent, build = [], LLMClient.chat_request
+
+    def recording(self, messages, **options):  # a spy: the real request is built and sent
+        request = build(self, messages, **options)
+        sent.append((request["extra_headers"]["X-Session-ID"], request["stream"]))
+        return request
+
+    monkeypatch.setattr(LLMClient, "chat_request", recording)
+    with warm_document_app(articles_db, vllm_url, embedder) as server:
+        warm_keys = [key for key, streamed in sent if not streamed]
+        sent.clear()
+        httpx.post(server.url + "/ask", json={"question": "When was the quay extended?", "max_tokens": 2},
+                   timeout=60).raise_for_status()
+        client = OpenAI(base_url=server.url + "/v1", api_key="unused")
+        messages = []
+        for question in ("When was the quay extended to hold 12 boats?", "How far did the glacier retreat?",
+                         "And in 1993?"):
+            messages.append({"role": "user", "content": question})
+            reply = client.chat.completions.create(model="prefixrag", messages=messages, max_tokens=2)
+            messages.append({"role": "assistant", "content": reply.choices[0].message.content})
+    assert len(warm_keys) == len(set(warm_keys)) == 3  # the system prompt and each article: three keys
+    ask_key, *chat_keys = [key for key, _ in sent]
+    assert ask_key in warm_keys  # the harbour question goes where the harbour article was warmed
+    assert chat_keys == [ask_key] * 3  # the conversation stays there, even when turn 2 is about the glacier

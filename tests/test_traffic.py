@@ -211,3 +211,17 @@ def test_a_question_during_pre_warm_goes_first_and_pre_warm_finishes_after(books
     assert metric_total(metrics, "prefixrag_warmup_done") == 1
     assert 'prefixrag_warmup_units{kind="warmed"} ' + f"{float(done['units_warmed'])}" in metrics
 
+
+
+def test_pre_warm_stops_at_its_absolute_token_budget_and_says_so(books, vllm_url, embedder):
+    chroma, _ = books
+    settings = app_settings(chroma, vllm_url, collection="books", strategy="document", hotness_dir=None,
+                            warm_max_tokens=5000)
+    with AppServer(create_app(settings, embedder=embedder)) as server:
+        deadline = time.monotonic() + 60
+        while not (warmup := httpx.get(server.url + "/readyz").json()["warmup"])["state"].startswith("stopped"):
+            assert time.monotonic() < deadline, warmup
+            time.sleep(0.2)
+    assert warmup["state"] == "stopped: token budget (5000)"
+    assert 5000 <= warmup["tokens"] < 5000 + 2 * 4096  # overshoots by at most the requests already in flight
+    assert 0 < warmup["units_warmed"] < warmup["units_planned"]

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -13,6 +12,7 @@ from dataclasses import asdict, dataclass, field
 from app.errors import BadRequest, ContextTooLong, ServiceError, StoreUnavailable, UpstreamUnavailable
 from app.llm import Completion, Delta, LLMClient
 from app.metrics import ServiceMetrics
+from app.rag.affinity import affinity_key
 from app.rag.budget import OverBudget, TokenEstimator, fit_to_budget
 from app.rag.context import ContextChunk, PromptBuilder
 from app.rag.conversation import Turn, conversation_messages, new_context_per_turn
@@ -155,13 +155,15 @@ class RAGService:
         self.planner.served(kept)
         clock.mark("assemble")
         try:
-            async for event in self._generate(messages, kept, max_tokens, query.temperature, clock, strategy):
+            async for event in self._generate(messages, kept, max_tokens, query.temperature, clock, strategy,
+                                              affinity_key(kept)):
                 yield event
         except ContextTooLong:
             # The estimate let through a prompt vLLM would not take (vLLM refuses before any token streams):
             # count exactly, trim, and send once more.
             messages, kept, _ = await fit(None)
-            async for event in self._generate(messages, kept, max_tokens, query.temperature, clock, strategy):
+            async for event in self._generate(messages, kept, max_tokens, query.temperature, clock, strategy,
+                                              affinity_key(kept)):
                 yield event
 
     async def _chat_stream(self, chat: ChatQuery) -> AsyncIterator[Delta | Answer]:
@@ -193,8 +195,9 @@ class RAGService:
         clock.mark("assemble")
         in_prompt = {c.id for c in kept} | {c.id for ctx in contexts[:-1] for c in ctx}
         context = [c for c in retrieved[-1] if c.id in in_prompt]
+        # Every turn is keyed by turn 1's context, where its prompt starts: a conversation stays on one replica.
         async for event in self._generate(messages, context, max_tokens, chat.temperature, clock, strategy,
-                                          top_p=chat.top_p, stop=chat.stop):
+                                          affinity_key(first), top_p=chat.top_p, stop=chat.stop):
             yield event
 
     async def _retrieve_cached(self, question: str, top_k: int, source_prefix: str | None) -> list[ContextChunk]:
@@ -203,10 +206,10 @@ class RAGService:
                                           lambda: self.retriever.retrieve(question, top_k, source_prefix))
 
     async def _generate(self, messages: list[dict], context: list[ContextChunk], max_tokens: int,
-                        temperature: float | None, clock: "Clock", strategy: str,
+                        temperature: float | None, clock: "Clock", strategy: str, affinity: str,
                         **options) -> AsyncIterator[Delta | Answer]:
         request = self.llm.chat_request(
-            messages, max_tokens=max_tokens, prefix_key=prefix_key(context[:1]),
+            messages, max_tokens=max_tokens, prefix_key=affinity,
             temperature=self.settings.temperature if temperature is None else temperature,
             repetition_penalty=self.settings.repetition_penalty, sampling=self.settings.extra_sampling, **options)
         completion, first_token = Completion(), None
@@ -276,10 +279,11 @@ class RAGService:
                         log.info("collection %r changed (an ingest ran): reloading and re-warming",
                                  self.retriever.chroma.collection)
                     await self._collection_changed(rewarm=now is not None)
-                if now is not None and (changed or seen is _UNSEEN):
-                    # Load the vector index and run the encoder once now: not ready until a question would
-                    # not pay for either (the first one took 0.6 s against 0.1 s after).
-                    await self.retriever.retrieve("prime the index", 1)
+                if now is not None:
+                    if changed or seen is _UNSEEN:
+                        # Load the vector index and run the encoder once now: not ready until a question would
+                        # not pay for either (the first one took 0.6 s against 0.1 s after).
+                        await self.retriever.retrieve("prime the index", 1)
                     self.collection_problem = None
                 seen = now
             except ServiceError as exc:
@@ -311,12 +315,6 @@ def _drop_oldest_exchange(turns: list[Turn]) -> list[Turn]:
     rest = turns[first_user + 1:]
     next_user = next(i for i, t in enumerate(rest) if t.role == "user")
     return turns[:first_user] + rest[next_user:]
-
-
-def prefix_key(chunks: list[ContextChunk]) -> str:
-    """Routing key for prefix affinity (vllm-router): the prompt's first context chunk, i.e. the start of the
-    shared prefix, so requests that can share a cached prefix are sent to the same replica."""
-    return hashlib.sha256("\x1f".join(c.id for c in chunks).encode()).hexdigest()[:16]
 
 
 def ms(seconds: float) -> float:

@@ -14,6 +14,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from app.errors import BadRequest, ServiceError, StoreUnavailable
+from app.rag.affinity import affinity_key
 from app.rag.context import ContextChunk
 from app.rag.planner import ContextPlanner
 from app.rag.traffic import LiveTraffic
@@ -84,7 +85,7 @@ class Warmer:
         self.progress, self.warmed_prompts, self._started = WarmupProgress(state="warming"), [], time.monotonic()
         try:
             self.builder.inert.use(info.special_tokens)  # before anything is rendered for the cache
-            self.progress.prefix_tokens = await self._send(self.builder.warmup_messages())
+            self.progress.prefix_tokens = await self._send(self.builder.warmup_messages(), [])
             await self._warm_context(info)
             if self.progress.state == "warming":
                 self.progress.state = "done"
@@ -145,7 +146,8 @@ class Warmer:
             return self._stopped(f"token budget ({self.progress.token_budget})")
         if time.monotonic() - self._started >= self.settings.warm_max_s:
             return self._stopped(f"time budget ({self.settings.warm_max_s:g} s)")
-        await self._send(self.builder.messages(await chunks_of(), ""))
+        chunks = await chunks_of()
+        await self._send(self.builder.messages(chunks, ""), chunks)
         self.progress.units_warmed += 1
         return True
 
@@ -154,17 +156,19 @@ class Warmer:
             self.progress.state = f"stopped: {why}"
         return False
 
-    async def _send(self, messages: list[dict]) -> int:
-        """One warm-up request (1 output token), yielding to users; returns the prompt tokens vLLM counted."""
-        response = await self.traffic.yielding(lambda: self._complete(messages))
+    async def _send(self, messages: list[dict], context: list[ContextChunk]) -> int:
+        """One warm-up request (1 output token), yielding to users, routed like the requests that will use its
+        prefix (``affinity_key``); returns the prompt tokens vLLM counted."""
+        key = affinity_key(context)
+        response = await self.traffic.yielding(lambda: self._complete(messages, key))
         tokens = response.usage.prompt_tokens  # vLLM counted the prompt it just cached: no /tokenize
         self.warmed_prompts.append(messages)
         self.planner.estimator.observe(messages, tokens)
         self.progress.tokens += tokens
         return tokens
 
-    async def _complete(self, messages: list[dict]):
-        request = self.llm.chat_request(messages, max_tokens=1, temperature=0.0, prefix_key="warmup",
+    async def _complete(self, messages: list[dict], key: str):
+        request = self.llm.chat_request(messages, max_tokens=1, temperature=0.0, prefix_key=key,
                                         stream=False, priority=self.priority or None)
         try:
             return await self.llm.complete(request)
@@ -174,4 +178,4 @@ class Warmer:
             log.warning("vLLM does not schedule by priority (start it with --scheduling-policy priority, as "
                         "python -m app.vllm_server does): pre-warm still yields to users, at equal priority")
             self.priority = 0
-            return await self._complete(messages)
+            return await self._complete(messages, key)
