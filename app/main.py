@@ -72,4 +72,3 @@ def create_app(settings: Settings | None = None, *, embedder=None) -> FastAPI:
     app.include_router(openai_chat.router)
     app.include_router(page.router)
     return app
-
