@@ -93,6 +93,9 @@ class Warmer:
             self.progress.state = f"interrupted: the collection is unavailable ({exc.message})"
         except ServiceError as exc:  # vLLM went away: it is re-warmed when the monitor sees it back
             self.progress.state = f"interrupted: {exc.message}"
+        except Exception as exc:  # a bug must not leave "warming" on /readyz forever, nor pass unseen
+            log.exception("pre-warm failed")
+            self.progress.state = f"failed: {type(exc).__name__}: {exc}"
         self.progress.seconds = round(time.monotonic() - self._started, 3)
         log.info("pre-warm %s: %d/%d units, %d tokens in %.1fs", self.progress.state, self.progress.units_warmed,
                  self.progress.units_planned, self.progress.tokens, self.progress.seconds)
