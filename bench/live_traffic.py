@@ -102,7 +102,9 @@ def prepare_corpus(args: argparse.Namespace, collection: str) -> list[str]:
 
 
 def run_with_app(args, vllm_url: str, collection: str, questions: list[str], tmp: Path) -> dict:
-    port = _free_port()
+    from app.vllm_process import free_port
+
+    port = free_port()
     env = os.environ | {"RAG_VLLM_URL": vllm_url, "RAG_CHROMA_PATH": str(args.chroma), "RAG_COLLECTION": collection,
                         "RAG_SERVICE__PORT": str(port), "RAG_GENERATION__HOTNESS_DIR": str(tmp / "hotness")}
     started = time.monotonic()
@@ -232,12 +234,6 @@ def rss_kib(pid: int) -> int:
         if line.startswith("VmRSS:"):
             return int(line.split()[1])
     return 0
-
-
-def _free_port() -> int:
-    from app.vllm_process import free_port
-
-    return free_port()
 
 
 def summary_line(r: dict) -> str:

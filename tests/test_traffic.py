@@ -27,14 +27,18 @@ LONG = 3000  # answer tokens: the CPU test model decodes for far longer than any
 IGNORE_EOS = {"ignore_eos": True}  # the dummy-weight model may pick EOS early; these answers must run long
 
 
+def vllm_metrics(vllm_url: str) -> str:
+    return httpx.get(vllm_url.removesuffix("/v1") + "/metrics", timeout=10).text
+
+
 def running(vllm_url: str) -> float:
-    text = httpx.get(vllm_url.removesuffix("/v1") + "/metrics", timeout=10).text
+    text = vllm_metrics(vllm_url)
     return metric_total(text, "vllm:num_requests_running") + metric_total(text, "vllm:num_requests_waiting")
 
 
 def vllm_counters(vllm_url: str) -> tuple[float, float]:
     """(prompt tokens prefilled, requests finished) so far."""
-    text = httpx.get(vllm_url.removesuffix("/v1") + "/metrics", timeout=10).text
+    text = vllm_metrics(vllm_url)
     return metric_total(text, "vllm:prompt_tokens_total"), metric_total(text, "vllm:request_success_total")
 
 

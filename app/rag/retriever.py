@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 from app.errors import StoreUnavailable
@@ -51,12 +53,8 @@ class Retriever:
         return await loop.run_in_executor(self.executor, self._count)
 
     def _count(self) -> int:
-        try:
+        with chroma_errors("count"):
             return self.collection.count()
-        except StoreUnavailable:
-            raise
-        except Exception as exc:
-            raise StoreUnavailable(f"Chroma count failed: {exc}") from exc
 
     async def retrieve(self, question: str, k: int, source_prefix: str | None = None) -> list[ContextChunk]:
         loop = asyncio.get_running_loop()
@@ -67,11 +65,9 @@ class Retriever:
         where = self._where(source_prefix)
         if where == {"source": {"$in": []}}:
             return []  # the filter matches no source at all
-        try:
+        with chroma_errors("query"):
             found = self.collection.query(query_embeddings=[vector], n_results=k, where=where,
                                           include=["documents", "metadatas", "distances"])
-        except Exception as exc:
-            raise StoreUnavailable(f"Chroma query failed: {exc}") from exc
         rows = zip(found["ids"][0], found["documents"][0], found["metadatas"][0], found["distances"][0])
         return [to_chunk(chunk_id, text, meta, 1.0 - distance, rank)
                 for rank, (chunk_id, text, meta, distance) in enumerate(rows)]
@@ -83,12 +79,8 @@ class Retriever:
         return await loop.run_in_executor(self.executor, self._get_all, where, texts)
 
     def _get_all(self, where: dict | None, texts: bool) -> list[ContextChunk]:
-        try:
+        with chroma_errors("read"):
             return self._read_pages(where, texts)
-        except StoreUnavailable:
-            raise
-        except Exception as exc:  # Chroma's own errors (a store deleted or rewritten under us)
-            raise StoreUnavailable(f"Chroma read failed: {exc}") from exc
 
     def _read_pages(self, where: dict | None, texts: bool) -> list[ContextChunk]:
         chunks, offset = [], 0
@@ -114,6 +106,17 @@ class Retriever:
             sources = sorted({meta["source"] for meta in metas})
             self._sources = (time.monotonic(), sources)
         return sources
+
+
+@contextlib.contextmanager
+def chroma_errors(action: str) -> Iterator[None]:
+    """Chroma's own errors (a store deleted or rewritten under us) become ``StoreUnavailable``."""
+    try:
+        yield
+    except StoreUnavailable:
+        raise
+    except Exception as exc:
+        raise StoreUnavailable(f"Chroma {action} failed: {exc}") from exc
 
 
 def to_chunk(chunk_id: str, text: str, meta: dict, score: float = 0.0, rank: int = 0,

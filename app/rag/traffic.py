@@ -66,18 +66,9 @@ class LiveTraffic:
         so a re-run mostly hits."""
         while True:
             await self._idle.wait()
-            task = asyncio.ensure_future(work())
-            arrival = asyncio.ensure_future(self._busy.wait())
-            try:
-                await asyncio.wait({task, arrival}, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                arrival.cancel()
-                if not task.done():
-                    task.cancel()  # closes its HTTP request: vLLM aborts it
-                    with contextlib.suppress(asyncio.CancelledError):
-                        await task
-            if not task.cancelled():
-                return task.result()
+            finished, result = await unless(work(), self._busy.wait())  # cancelling closes its HTTP request
+            if finished:
+                return result
             self.yields += 1
 
     def _arrive(self) -> None:
@@ -90,3 +81,18 @@ class LiveTraffic:
         if self.present == 0:
             self._busy.clear()
             self._idle.set()
+
+
+async def unless(work: Awaitable[T], interrupt: Awaitable[object]) -> tuple[bool, T | None]:
+    """Await ``work`` unless ``interrupt`` completes first; then ``work`` is cancelled and unwound before this
+    returns. (True, its result) or (False, None)."""
+    task, stop = asyncio.ensure_future(work), asyncio.ensure_future(interrupt)
+    try:
+        await asyncio.wait({task, stop}, return_when=asyncio.FIRST_COMPLETED)
+        return (True, task.result()) if task.done() else (False, None)
+    finally:
+        stop.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task

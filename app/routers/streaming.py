@@ -6,8 +6,6 @@ it instead of decoding for nobody."""
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 from collections.abc import AsyncIterator, Awaitable
 from typing import TypeVar
@@ -15,6 +13,7 @@ from typing import TypeVar
 from starlette.requests import Request
 
 from app.errors import ClientGone
+from app.rag.traffic import unless
 
 T = TypeVar("T")
 log = logging.getLogger("prefixrag.http")
@@ -22,18 +21,10 @@ log = logging.getLogger("prefixrag.http")
 
 async def unless_client_leaves(request: Request, work: Awaitable[T]) -> T:
     """Await ``work``; if the client disconnects first, cancel it and raise ``ClientGone``."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_disconnected(request))
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        if task.done():
-            return task.result()
-    finally:
-        watcher.cancel()
-        if not task.done():
-            task.cancel()  # unwinds the pipeline: its slot is freed, its vLLM stream closed
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+    # A cancelled pipeline unwinds: its slot is freed, its vLLM stream closed.
+    finished, result = await unless(work, _disconnected(request))
+    if finished:
+        return result
     log.info("client left %s before its answer: request cancelled, vLLM's aborted", request.url.path)
     raise ClientGone("the client disconnected")
 
