@@ -30,10 +30,11 @@ def create_app(settings: Settings | None = None, *, embedder=None) -> FastAPI:
         from app.rag.retriever import Retriever
         from app.rag.service import RAGService
         from app.rag.upstream import Upstream
-        from ingest.embedder import Embedder
+        from ingest.embedder import Embedder, limit_threads
 
         templates = PromptTemplates.load(settings.service.prompts_dir)  # fail fast on a broken template
-        executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="retrieve")
+        executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="retrieve", initializer=limit_threads,
+                                      initargs=(settings.embedding.query_threads,))
         encoder = embedder or await asyncio.get_running_loop().run_in_executor(
             executor, lambda: Embedder(settings.embedding).load())  # loaded now, not by the first question
         llm = LLMClient(settings.vllm)
@@ -58,6 +59,7 @@ def create_app(settings: Settings | None = None, *, embedder=None) -> FastAPI:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
             service.planner.close()
+            retriever.close()
             await llm.aclose()
             executor.shutdown(wait=False, cancel_futures=True)
 

@@ -35,6 +35,10 @@ class EmbeddingSettings(BaseModel):
     model: str = Field(PACKAGED_EMBEDDER, description="Sentence-transformers model path, or 'packaged:all-MiniLM-L6-v2'.")
     batch_size: int = Field(64, ge=1, le=1024, description="Texts per encoder forward pass.")
     device: str = Field("cpu", description="Torch device for the encoder.")
+    query_threads: int = Field(
+        1, ge=1, description="CPU threads the service's encoder uses per question (ingest uses them all): one short "
+        "text gains nothing from more, and beside a CPU vLLM each extra thread stalls at every barrier "
+        "(measured: a question's embedding took 0.5 s with 2 threads during pre-warm).")
 
 
 class ChunkSettings(BaseModel):
@@ -130,6 +134,10 @@ class GenerationSettings(BaseModel):
     warm_max_s: float = Field(600.0, gt=0, description="Pre-warm stops after this many seconds (time spent "
                               "paused for user traffic included).")
     warm_concurrency: int = Field(2, ge=1, description="Pre-warm requests in flight (background, bounded).")
+    warm_piece_tokens: int = Field(
+        256, ge=0, description="Pre-warm sends a unit in growing pieces, each cut at the first chunk boundary past "
+        "this many new prompt tokens (0: whole): vLLM finishes an engine step before it takes a newly arrived "
+        "user request, so the step a warm-up can occupy must be short; each piece reuses what the one before cached.")
     warm_priority: int = Field(
         10, ge=1, description="vLLM priority of pre-warm requests (user requests: 0; lower goes first). Needs "
         "vLLM started with --scheduling-policy priority, as python -m app.vllm_server does; elsewhere it is dropped.")

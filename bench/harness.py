@@ -50,6 +50,7 @@ class Harness:
 
     async def close(self) -> None:
         await self.llm.aclose()
+        self.retriever.close()
         self.executor.shutdown()
 
     def service(self, mode: str) -> RAGService:

@@ -70,6 +70,13 @@ class Embedder:
         return vectors.tolist()
 
 
+def limit_threads(threads: int) -> None:
+    """Run at the start of each thread that embeds questions: torch fixes a thread's pool size on first use."""
+    import torch
+
+    torch.set_num_threads(threads)
+
+
 def _load(settings: EmbeddingSettings):
     # Weights never come from a hub at run time: everything is local.
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -229,3 +229,57 @@ def test_pre_warm_stops_at_its_absolute_token_budget_and_says_so(books, vllm_url
     assert warmup["state"] == "stopped: token budget (5000)"
     assert 5000 <= warmup["tokens"] < 5000 + 2 * 4096  # overshoots by at most the requests already in flight
     assert 0 < warmup["units_warmed"] < warmup["units_planned"]
+
+
+def test_pre_warm_sends_a_unit_in_pieces_so_no_warm_up_step_is_long(books, vllm_url, embedder):
+    """vLLM finishes its engine step before it takes a user's request: a warm-up request must never prefill a
+    whole ~2.7K-token unit at once, only about ``warm_piece_tokens`` on top of what the previous piece cached."""
+    chroma, _ = books
+    reset_prefix_cache(vllm_url)
+    settings = app_settings(chroma, vllm_url, collection="books", strategy="document", hotness_dir=None,
+                            warm_piece_tokens=256)
+    app = create_app(settings, embedder=embedder)
+    with AppServer(app) as server:
+        server.wait_ready()
+        llm, prefilled = app.state.service.llm, []
+        complete = llm.complete
+
+        async def spied(request):
+            response = await complete(request)
+            details = response.usage.prompt_tokens_details
+            prefilled.append(response.usage.prompt_tokens - (details.cached_tokens if details else 0))
+            return response
+
+        llm.complete = spied
+        done = server.wait_warmed(done=True, timeout=300)["warmup"]
+    assert done["units_warmed"] == done["units_planned"] > 1
+    assert len(prefilled) > 3 * done["units_warmed"], "each unit went in several pieces"
+    # A piece: 256 new tokens and up to one more chunk (200 encoder tokens, ~230 here), plus the previous piece's
+    # last partial block (128 on CPU) recomputed, plus the chat template's end.
+    # The first pieces (one per worker) are cut with the system prompt's chars/token ratio, before a document
+    # was counted; every later one with the documents' own.
+    calibrated = prefilled[1 + settings.generation.warm_concurrency:]
+    assert max(calibrated) <= 256 + 230 + 128 + 64, sorted(calibrated)[-5:]
+    assert max(prefilled) < 1024  # a whole unit is ~2.7K tokens
+
+
+async def test_background_store_reads_wait_while_a_user_request_is_present(collections, embedder):  # noqa: F811
+    from concurrent.futures import ThreadPoolExecutor
+
+    from app.rag.retriever import Retriever
+    from app.rag.traffic import LiveTraffic
+    from app.settings import Settings
+
+    settings = Settings(_env_file=None)
+    settings.chroma.path, settings.chroma.collection = collections, "project-docs"
+    retriever, traffic = Retriever(embedder, settings.chroma, ThreadPoolExecutor(1)), LiveTraffic(1, 0)
+    try:
+        async with traffic.slot():
+            with traffic.background():
+                scan = asyncio.create_task(retriever.chunks_where(None, texts=False))
+            user = await retriever.chunks_where(None, texts=False)  # a user's read is not held back
+            await asyncio.sleep(0.5)
+            assert not scan.done(), "the background read waited for the user's request to leave"
+        assert len(await asyncio.wait_for(scan, 30)) == len(user) > 0
+    finally:
+        retriever.close()

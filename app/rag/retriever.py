@@ -5,22 +5,38 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
 
 from app.errors import StoreUnavailable
 from app.rag.context import ContextChunk
+from app.rag.traffic import BACKGROUND
 from app.settings import ChromaSettings
-from ingest.store import PAGE, StoreError, forget_clients, open_collection, read_generation
+from ingest.store import StoreError, forget_clients, open_collection, read_generation
 
-SOURCES_TTL_S = 60.0  # how long the list of sources (for prefix filters) is reused
+T = TypeVar("T")
+SOURCES_TTL_S = 60.0
+PAGE = 500  # rows per read: one read holds the GIL for tens of ms at most, then a user's request may run  # how long the list of sources (for prefix filters) is reused
 
 
 class Retriever:
     def __init__(self, embedder, chroma: ChromaSettings, executor: ThreadPoolExecutor) -> None:
         self.embedder, self.chroma, self.executor = embedder, chroma, executor
+        # Background reads (pre-warm scanning the collection) queue here, not ahead of a user's retrieval.
+        self.background_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="background-read")
         self._collection = None
         self._sources: tuple[float, list[str]] = (0.0, [])
+
+    def close(self) -> None:
+        self.background_executor.shutdown(wait=False, cancel_futures=True)
+
+    async def _off_loop(self, work: Callable[..., T], *args) -> T:
+        pool = self.executor
+        if (pause := BACKGROUND.get()) is not None:
+            await pause()  # background work reads only while no user request is present
+            pool = self.background_executor
+        return await asyncio.get_running_loop().run_in_executor(pool, work, *args)
 
     @property
     def collection(self):
@@ -34,9 +50,8 @@ class Retriever:
 
     async def generation(self) -> str | None:
         """The collection's generation stamp as stored now (None: no collection yet); see ``reopen``."""
-        loop = asyncio.get_running_loop()
         try:
-            return await loop.run_in_executor(self.executor, read_generation, self.chroma, self.embedder)
+            return await self._off_loop(read_generation, self.chroma, self.embedder)
         except StoreError as exc:
             raise StoreUnavailable(str(exc)) from exc
 
@@ -49,16 +64,14 @@ class Retriever:
 
     async def count(self) -> int:
         """Chunks in the collection (cheap: no documents are read)."""
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self.executor, self._count)
+        return await self._off_loop(self._count)
 
     def _count(self) -> int:
         with chroma_errors("count"):
             return self.collection.count()
 
     async def retrieve(self, question: str, k: int, source_prefix: str | None = None) -> list[ContextChunk]:
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self.executor, self.retrieve_sync, question, k, source_prefix)
+        return await self._off_loop(self.retrieve_sync, question, k, source_prefix)
 
     def retrieve_sync(self, question: str, k: int, source_prefix: str | None = None) -> list[ContextChunk]:
         vector = self.embedder.embed([question])[0]
@@ -73,26 +86,23 @@ class Retriever:
                 for rank, (chunk_id, text, meta, distance) in enumerate(rows)]
 
     async def chunks_where(self, where: dict | None, texts: bool = True) -> list[ContextChunk]:
-        """All chunks matching a metadata filter (a parent document, or the whole collection), off the loop;
-        ``texts=False`` reads metadata only (their ``text`` is then empty)."""
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self.executor, self._get_all, where, texts)
-
-    def _get_all(self, where: dict | None, texts: bool) -> list[ContextChunk]:
-        with chroma_errors("read"):
-            return self._read_pages(where, texts)
-
-    def _read_pages(self, where: dict | None, texts: bool) -> list[ContextChunk]:
-        chunks, offset = [], 0
-        include = ["documents", "metadatas"] if texts else ["metadatas"]
+        """All chunks matching a metadata filter (a parent document, or the whole collection), off the loop, a
+        page per call (background work pauses for users between pages); ``texts=False`` reads metadata only
+        (their ``text`` is then empty)."""
+        chunks: list[ContextChunk] = []
         while True:
-            page = self.collection.get(where=where, include=include, limit=PAGE, offset=offset)
-            documents = page["documents"] if texts else [""] * len(page["ids"])
-            chunks += [to_chunk(i, text, meta, retrieved=False)
-                       for i, text, meta in zip(page["ids"], documents, page["metadatas"])]
-            if len(page["ids"]) < PAGE:
+            page = await self._off_loop(self._read_page, where, texts, len(chunks))
+            chunks += page
+            if len(page) < PAGE:
                 return chunks
-            offset += PAGE
+
+    def _read_page(self, where: dict | None, texts: bool, offset: int) -> list[ContextChunk]:
+        include = ["documents", "metadatas"] if texts else ["metadatas"]
+        with chroma_errors("read"):
+            page = self.collection.get(where=where, include=include, limit=PAGE, offset=offset)
+        documents = page["documents"] if texts else [""] * len(page["ids"])
+        return [to_chunk(i, text, meta, retrieved=False)
+                for i, text, meta in zip(page["ids"], documents, page["metadatas"])]
 
     def _where(self, source_prefix: str | None) -> dict | None:
         if not source_prefix:

@@ -11,15 +11,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import math
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import TypeVar
 
 from app.errors import Overloaded
 
 T = TypeVar("T")
 MAX_RETRY_AFTER_S = 60
+# Inside background work (pre-warm), how it waits for users to be gone: its store reads then wait for that and
+# use a thread of their own, never the ones that embed and query for users.
+BACKGROUND: contextvars.ContextVar[Callable[[], Awaitable[object]] | None] = contextvars.ContextVar(
+    "background", default=None)
 
 
 class LiveTraffic:
@@ -59,6 +64,15 @@ class LiveTraffic:
         """Seconds until a place is likely free: the queue ahead, drained ``max_in_flight`` at a time."""
         waves = (self.queued + 1) / self.max_in_flight
         return max(1, min(MAX_RETRY_AFTER_S, math.ceil(waves * self.service_s)))
+
+    @contextlib.contextmanager
+    def background(self) -> Iterator[None]:
+        """Mark the work run inside as background: its store reads wait until no user request is present."""
+        token = BACKGROUND.set(self._idle.wait)
+        try:
+            yield
+        finally:
+            BACKGROUND.reset(token)
 
     async def yielding(self, work: Callable[[], Awaitable[T]]) -> T:
         """Run ``work`` (a background request) while no user request is present; abort it when one arrives

@@ -83,6 +83,14 @@ class Warmer:
     async def warm(self, info: UpstreamInfo) -> WarmupProgress:
         """One whole warm-up: the stable prefix, the corpus decision, then the corpus or the hottest units."""
         self.progress, self.warmed_prompts, self._started = WarmupProgress(state="warming"), [], time.monotonic()
+        with self.traffic.background():
+            await self._warm_all(info)
+        self.progress.seconds = round(time.monotonic() - self._started, 3)
+        log.info("pre-warm %s: %d/%d units, %d tokens in %.1fs", self.progress.state, self.progress.units_warmed,
+                 self.progress.units_planned, self.progress.tokens, self.progress.seconds)
+        return self.progress
+
+    async def _warm_all(self, info: UpstreamInfo) -> None:
         try:
             self.builder.inert.use(info.special_tokens)  # before anything is rendered for the cache
             self.progress.prefix_tokens = await self._send(self.builder.warmup_messages(), [])
@@ -96,10 +104,6 @@ class Warmer:
         except Exception as exc:  # a bug must not leave "warming" on /readyz forever, nor pass unseen
             log.exception("pre-warm failed")
             self.progress.state = f"failed: {type(exc).__name__}: {exc}"
-        self.progress.seconds = round(time.monotonic() - self._started, 3)
-        log.info("pre-warm %s: %d/%d units, %d tokens in %.1fs", self.progress.state, self.progress.units_warmed,
-                 self.progress.units_planned, self.progress.tokens, self.progress.seconds)
-        return self.progress
 
     async def _warm_context(self, info: UpstreamInfo) -> None:
         planner = self.planner
@@ -150,23 +154,39 @@ class Warmer:
         if time.monotonic() - self._started >= self.settings.warm_max_s:
             return self._stopped(f"time budget ({self.settings.warm_max_s:g} s)")
         chunks = await chunks_of()
-        await self._send(self.builder.messages(chunks, ""), chunks)
+        for end in self._piece_ends(chunks):
+            await self._send(self.builder.messages(chunks[:end], ""), chunks[:end], whole=end == len(chunks))
         self.progress.units_warmed += 1
         return True
+
+    def _piece_ends(self, chunks: list[ContextChunk]) -> list[int]:
+        """Where to cut ``chunks``: each piece adds to the one before the chunks up to the first boundary past
+        ``warm_piece_tokens`` (estimated from characters); the last end is the whole unit."""
+        per_piece = self.settings.warm_piece_tokens * (self.planner.estimator.chars_per_token or 4.0)
+        ends, grown = [], 0.0
+        for end, chunk in enumerate(chunks, 1):
+            grown += len(chunk.text)
+            if per_piece and grown >= per_piece and end < len(chunks):
+                ends.append(end)
+                grown = 0.0
+        return ends + [len(chunks)]
 
     def _stopped(self, why: str) -> bool:
         if self.progress.state == "warming":
             self.progress.state = f"stopped: {why}"
         return False
 
-    async def _send(self, messages: list[dict], context: list[ContextChunk]) -> int:
+    async def _send(self, messages: list[dict], context: list[ContextChunk], whole: bool = True) -> int:
         """One warm-up request (1 output token), yielding to users, routed like the requests that will use its
-        prefix (``affinity_key``); returns the prompt tokens vLLM counted."""
+        prefix (``affinity_key``); returns the prompt tokens vLLM counted. A piece (not ``whole``) only prepares
+        the cache for the next one and is not counted."""
         key = affinity_key(context)
         response = await self.traffic.yielding(lambda: self._complete(messages, key))
         tokens = response.usage.prompt_tokens  # vLLM counted the prompt it just cached: no /tokenize
-        self.warmed_prompts.append(messages)
         self.planner.estimator.observe(messages, tokens)
+        if not whole:
+            return tokens
+        self.warmed_prompts.append(messages)
         self.progress.tokens += tokens
         return tokens
 
