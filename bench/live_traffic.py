@@ -38,8 +38,11 @@ url = urllib.parse.urlsplit(sys.argv[1])
 connection, latencies, deadline = http.client.HTTPConnection(url.hostname, url.port), [], time.monotonic() + float(sys.argv[2])
 while time.monotonic() < deadline:
     sent = time.monotonic()
-    connection.request("GET", "/healthz")
-    connection.getresponse().read()
+    try:
+        connection.request("GET", "/healthz")
+        connection.getresponse().read()
+    except (OSError, http.client.HTTPException):  # counted at the time it took to fail, then a new connection
+        connection.close()
     latencies.append((time.monotonic() - sent) * 1000)
     time.sleep(0.1)
 print(json.dumps(latencies))
@@ -151,14 +154,17 @@ async def phases(args, url: str, vllm_url: str, pid: int, questions: list[str], 
 async def timed_question(client: httpx.AsyncClient, question: str, started: float, gap_s: float) -> dict:
     warming = (await client.get("/readyz")).json()["warmup"]["state"] == "warming"
     sent = time.monotonic()
-    first = None
+    first, done = None, {}
     async with client.stream("POST", "/ask", json={"question": question, "stream": True}) as response:
         async for line in response.aiter_lines():
             if first is None and line.startswith("event: delta"):
                 first = time.monotonic()
+            elif line.startswith("data: ") and '"timings_ms"' in line:
+                done = json.loads(line.removeprefix("data: "))
     await asyncio.sleep(gap_s)
     return {"question": question, "t_s": round(sent - started, 2), "status": response.status_code,
-            "ttft_ms": round(((first or time.monotonic()) - sent) * 1000, 1), "warming": warming}
+            "ttft_ms": round(((first or time.monotonic()) - sent) * 1000, 1), "warming": warming,
+            "server_ms": done.get("timings_ms"), "usage": done.get("usage")}
 
 
 async def cold_questions(client: httpx.AsyncClient, vllm_url: str, questions: list[str], started: float,
@@ -186,18 +192,26 @@ async def load(client: httpx.AsyncClient, questions: list[str], clients: int, se
         rng = random.Random(seed)
         while time.monotonic() < deadline:
             sent = time.monotonic()
-            response = await client.post("/ask", json={"question": rng.choice(questions)})
-            requests.append({"status": response.status_code, "ms": round((time.monotonic() - sent) * 1000, 1)})
-            if response.status_code == 429:
+            try:
+                response = await client.post("/ask", json={"question": rng.choice(questions)})
+                status = response.status_code
+            except httpx.TransportError as exc:  # a failure like any other status: recorded, never a crash
+                response, status = None, type(exc).__name__
+            requests.append({"status": status, "ms": round((time.monotonic() - sent) * 1000, 1)})
+            if response is not None and response.status_code == 429:
                 await asyncio.sleep(float(response.headers.get("Retry-After", "1")))
 
+    cpu_before = cpu_times()
     await asyncio.gather(*(one_client(seed) for seed in range(clients)))
+    cpu = [after - before for before, after in zip(cpu_before, cpu_times())]
     health = json.loads((await probe.communicate())[0])
     statuses: dict[str, int] = {}
     for row in requests:
         statuses[str(row["status"])] = statuses.get(str(row["status"]), 0) + 1
     return {"seconds": seconds, "statuses": statuses, "requests": requests,
-            "healthz_p99_ms": round(percentile(health, 99), 1)}
+            "healthz_p99_ms": round(percentile(health, 99), 1),
+            # Where the CPU went meanwhile (shares of all cores' time; steal: taken by the VM's host).
+            "cpu_share": {name: round(cpu[i] / sum(cpu), 3) for i, name in CPU_FIELDS.items()}}
 
 
 async def until(check, started: float, timeout: float = 600) -> float:
@@ -222,11 +236,19 @@ async def _warm_done(client: httpx.AsyncClient) -> bool:
 
 def _renice(value: int) -> None:
     """This machine is also the clients': they run at vLLM's nice (+5), as remote clients would not compete with
-    the app for its cores; the /healthz probe at the app's (0). Lowering needs root; else it stays as it is."""
+    the app for its cores; the /healthz probe at the app's (0). (Clients at -5, above the app, measured worse:
+    their own CPU then delays the app.) Lowering needs root; else it stays as it is."""
     try:
         os.setpriority(os.PRIO_PROCESS, 0, value)
     except PermissionError:
         pass
+
+
+CPU_FIELDS = {0: "user", 1: "nice", 2: "system", 3: "idle", 7: "steal"}  # columns of /proc/stat's "cpu" line
+
+
+def cpu_times() -> list[int]:
+    return [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
 
 
 def rss_kib(pid: int) -> int:
