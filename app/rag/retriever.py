@@ -16,8 +16,8 @@ from app.settings import ChromaSettings
 from ingest.store import StoreError, forget_clients, open_collection, read_generation
 
 T = TypeVar("T")
-SOURCES_TTL_S = 60.0
-PAGE = 500  # rows per read: one read holds the GIL for tens of ms at most, then a user's request may run  # how long the list of sources (for prefix filters) is reused
+SOURCES_TTL_S = 60.0  # how long the list of sources (for prefix filters) is reused
+PAGE = 500  # rows per read: one read holds the GIL for tens of ms at most, then a user's request may run
 
 
 class Retriever:
