@@ -62,6 +62,14 @@ def run_cli(*args: str, env: dict | None = None, timeout: float = 600) -> subpro
                           env=os.environ | (env or {}), timeout=timeout)
 
 
+@pytest.fixture(scope="module")
+def collections(tmp_path_factory, embedder):
+    """The service tests' collections in one on-disk Chroma (see ``tests.corpora``); returns its path."""
+    from tests.corpora import write_service_collections
+
+    return write_service_collections(tmp_path_factory.mktemp("service"), embedder)
+
+
 @pytest.fixture(scope="session")
 def vllm_url(tmp_path_factory):
     """A real vLLM CPU server (dummy-weight test model, prefix caching on), once per test session."""

@@ -10,14 +10,14 @@ import openai
 import pytest
 
 from app.main import create_app
+from tests.corpora import app_settings, floor_block
 from tests.servers import AppServer, proxy_in_front_of, reset_prefix_cache
-from tests.test_service import app_settings, collections, floor_block  # noqa: F401  (fixture re-used)
 
 pytestmark = pytest.mark.vllm
 
 
 @pytest.fixture(scope="module")
-def server(collections, vllm_url, embedder):  # noqa: F811
+def server(collections, vllm_url, embedder):
     settings = app_settings(collections, vllm_url, collection="project-docs", top_k=3)
     with AppServer(create_app(settings, embedder=embedder)) as running:
         running.wait_ready()
@@ -96,7 +96,7 @@ def test_unknown_fields_are_ignored(server):
     assert response.status_code == 200, response.text
 
 
-def test_api_key_when_set(collections, vllm_url, embedder):  # noqa: F811
+def test_api_key_when_set(collections, vllm_url, embedder):
     settings = app_settings(collections, vllm_url, collection="project-docs")
     settings.service.api_key = "s3cret"
     with AppServer(create_app(settings, embedder=embedder)) as server:
@@ -110,7 +110,7 @@ def test_api_key_when_set(collections, vllm_url, embedder):  # noqa: F811
         assert [m.id for m in client_for(server, "s3cret").models.list()] == ["prefixrag"]
 
 
-def test_stream_cut_by_vllm_going_away_ends_with_an_error(collections, vllm_url, embedder):  # noqa: F811
+def test_stream_cut_by_vllm_going_away_ends_with_an_error(collections, vllm_url, embedder):
     proxy, proxied = proxy_in_front_of(vllm_url)
     settings = app_settings(collections, proxied, collection="project-docs")
     with AppServer(create_app(settings, embedder=embedder)) as server:
@@ -128,7 +128,7 @@ def test_stream_cut_by_vllm_going_away_ends_with_an_error(collections, vllm_url,
         assert received >= 3 and time.monotonic() - started < 60
 
 
-def test_a_50_message_chat_retrieves_once_per_new_turn(collections, vllm_url, embedder):  # noqa: F811
+def test_a_50_message_chat_retrieves_once_per_new_turn(collections, vllm_url, embedder):
     settings = app_settings(collections, vllm_url, collection="project-docs", top_k=3)
     app = create_app(settings, embedder=embedder)
     with AppServer(app) as server:

@@ -10,15 +10,15 @@ import httpx
 import pytest
 
 from app.main import create_app
+from tests.corpora import app_settings
 from tests.servers import AppServer, proxy_in_front_of
-from tests.test_service import app_settings, collections  # noqa: F401  (fixture re-used)
 
 pytestmark = pytest.mark.vllm
 MB = 1024 * 1024
 
 
 @pytest.fixture(scope="module")
-def keyed(collections, vllm_url, embedder):  # noqa: F811
+def keyed(collections, vllm_url, embedder):
     settings = app_settings(collections, vllm_url)
     settings.service.api_key, settings.service.max_body_bytes = "s3cret", 1 * MB
     with AppServer(create_app(settings, embedder=embedder)) as running:
@@ -85,7 +85,7 @@ def test_a_lone_surrogate_is_400_streamed_or_not(keyed, path, body):
         assert "invalid Unicode" in response.json()["error"]["message"]
 
 
-def test_failing_requests_do_not_speed_up_the_vllm_probes(collections, vllm_url, embedder, caplog):  # noqa: F811
+def test_failing_requests_do_not_speed_up_the_vllm_probes(collections, vllm_url, embedder, caplog):
     proxy, proxied = proxy_in_front_of(vllm_url)
     settings = app_settings(collections, proxied)
     settings.vllm.retry_interval_s = 1.0
@@ -190,7 +190,7 @@ def test_a_store_that_is_not_there_is_503_and_never_recreated_empty(tmp_path, vl
     assert not store.exists()
 
 
-def test_a_stream_that_cannot_start_gets_the_same_status_as_a_plain_request(collections, vllm_url,  # noqa: F811
+def test_a_stream_that_cannot_start_gets_the_same_status_as_a_plain_request(collections, vllm_url,
                                                                            embedder):
     proxy, proxied = proxy_in_front_of(vllm_url)
     settings = app_settings(collections, proxied)

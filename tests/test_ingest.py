@@ -8,18 +8,9 @@ import shutil
 import pytest
 
 from ingest.pipeline import run_ingest
-from ingest.store import open_collection
 from tests.conftest import run_cli
+from tests.corpora import collection_of, snapshot
 from tests.fixtures_docs import write_corpus, write_pdf
-
-
-def collection_of(settings, embedder):
-    return open_collection(settings.chroma, embedder, create=False)
-
-
-def snapshot(settings, embedder) -> dict[str, tuple[str, dict]]:
-    data = collection_of(settings, embedder).get(include=["documents", "metadatas"])
-    return {i: (d, m) for i, d, m in zip(data["ids"], data["documents"], data["metadatas"])}
 
 
 def test_each_file_type_is_loaded_with_its_structure(tmp_path, settings_factory, embedder):

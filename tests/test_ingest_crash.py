@@ -14,7 +14,7 @@ import pytest
 
 from ingest.pipeline import run_ingest
 from tests.conftest import ROOT
-from tests.test_ingest import snapshot
+from tests.corpora import snapshot
 
 WORDS = ("harbour tide anchor keel mast rope gull wave reef compass chart beacon current drift sail "
          "storm pier buoy lantern cargo hull deck helm knot port starboard").split()

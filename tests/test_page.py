@@ -7,8 +7,8 @@ import shutil
 import pytest
 
 from app.main import create_app
+from tests.corpora import app_settings
 from tests.servers import AppServer
-from tests.test_service import app_settings, collections  # noqa: F401  (fixture re-used)
 
 pytestmark = pytest.mark.vllm
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
@@ -26,7 +26,7 @@ def page():
         browser.close()
 
 
-def test_ask_on_the_page_streams_an_answer_with_sources(page, collections, vllm_url, embedder, tmp_path):  # noqa: F811
+def test_ask_on_the_page_streams_an_answer_with_sources(page, collections, vllm_url, embedder, tmp_path):
     settings = app_settings(collections, vllm_url, collection="project-docs", top_k=3, max_tokens=24)
     with AppServer(create_app(settings, embedder=embedder)) as server:
         server.wait_ready()

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import random
 import time
 
 import httpx
@@ -13,60 +12,13 @@ import pytest
 from app.main import create_app
 from ingest.pipeline import run_ingest
 from tests.conftest import ROOT
+from tests.corpora import FACTS, app_settings, floor_block
 from tests.servers import AppServer, proxy_in_front_of, reset_prefix_cache
 
 pytestmark = pytest.mark.vllm
 
-# Four one-chunk documents: with top_k=4 every question retrieves the same SET, in its own relevance order.
-FACTS = {
-    "anchors.md": "Anchors hold a ship in place by digging into the seabed with their flukes.",
-    "compass.md": "A magnetic compass needle points toward magnetic north, not the geographic pole.",
-    "sails.md": "Square sails push a ship downwind while fore-and-aft sails can sail close to the wind.",
-    "tides.md": "Tides rise and fall twice a day because of the gravitational pull of the moon.",
-}
-
-
-@pytest.fixture(scope="module")
-def collections(tmp_path_factory, embedder):
-    from app.settings import Settings
-
-    base = tmp_path_factory.mktemp("service")
-    facts = base / "facts"
-    facts.mkdir()
-    for name, text in FACTS.items():
-        (facts / name).write_text(text + "\n")
-    settings = Settings(_env_file=None)
-    settings.chroma.path = base / "chroma"
-    long = base / "long"  # more text than the test server's 4096-token window
-    long.mkdir()
-    words = " ".join(FACTS.values()).split()  # a fixed vocabulary: the sizes never depend on other files
-    rng = random.Random(7)
-    for number in range(24):
-        (long / f"log-{number:02d}.md").write_text(" ".join(rng.choice(words) for _ in range(250)) + "\n")
-    for name, root in (("facts", facts), ("project-docs", ROOT / "docs"), ("long", long)):
-        settings.chroma.collection = name
-        run_ingest([root], settings, embedder)
-    return base / "chroma"
-
-
-def app_settings(chroma_path, vllm_url, collection="facts", **generation):
-    """These tests are about the prompt mechanics, so they pin the canonical strategy unless told otherwise."""
-    generation.setdefault("strategy", "canonical")
-    from app.settings import Settings
-
-    settings = Settings(_env_file=None)
-    settings.chroma.path, settings.chroma.collection = chroma_path, collection
-    settings.vllm.url, settings.vllm.retry_interval_s = vllm_url, 0.2
-    settings.generation = settings.generation.model_copy(update={"max_tokens": 8, **generation})
-    return settings
-
-
 def ask(server: AppServer, **body) -> httpx.Response:
     return httpx.post(server.url + "/ask", json=body, timeout=120)
-
-
-def floor_block(tokens: int, block: int) -> int:
-    return tokens // block * block
 
 
 def test_prewarm_puts_the_system_prompt_in_cache_before_the_first_request(collections, vllm_url, embedder):

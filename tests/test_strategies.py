@@ -13,8 +13,8 @@ from app.main import create_app
 from app.rag.trie import ServedTrie
 from app.rag.units import Hotness
 from ingest.pipeline import run_ingest
+from tests.corpora import app_settings, floor_block
 from tests.servers import AppServer, reset_prefix_cache
-from tests.test_service import app_settings, floor_block
 
 # Two "articles" of several paragraphs each: records sharing a title are one parent document.
 ARTICLES = {

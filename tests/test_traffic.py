@@ -19,8 +19,8 @@ import pytest
 from app.llm import metric_total
 from app.main import create_app
 from tests.conftest import ROOT, free_port, wait_for_http
+from tests.corpora import app_settings
 from tests.servers import AppServer, reset_prefix_cache
-from tests.test_service import app_settings, collections  # noqa: F401  (fixture re-used)
 
 pytestmark = pytest.mark.vllm
 LONG = 3000  # answer tokens: the CPU test model decodes for far longer than any check below waits
@@ -86,7 +86,7 @@ def test_a_background_request_is_aborted_in_vllm_when_a_user_arrives_and_resent_
     assert response.usage.completion_tokens == 1  # the re-sent request ran to its end
 
 
-def test_over_capacity_is_a_fast_429_with_retry_after_in_openai_shape(collections, vllm_url, embedder):  # noqa: F811
+def test_over_capacity_is_a_fast_429_with_retry_after_in_openai_shape(collections, vllm_url, embedder):
     settings = app_settings(collections, vllm_url, extra_sampling=IGNORE_EOS)
     settings.traffic.max_in_flight, settings.traffic.max_queued = 1, 0
     with AppServer(create_app(settings, embedder=embedder)) as server:
@@ -118,7 +118,7 @@ def test_over_capacity_is_a_fast_429_with_retry_after_in_openai_shape(collection
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_a_client_that_leaves_aborts_its_vllm_request(collections, vllm_url, embedder, stream):  # noqa: F811
+def test_a_client_that_leaves_aborts_its_vllm_request(collections, vllm_url, embedder, stream):
     settings = app_settings(collections, vllm_url, extra_sampling=IGNORE_EOS)
     with AppServer(create_app(settings, embedder=embedder)) as server:
         server.wait_ready()
@@ -139,7 +139,7 @@ def test_a_client_that_leaves_aborts_its_vllm_request(collections, vllm_url, emb
         assert status["traffic"]["present"] == 0  # and its slot is free
 
 
-def test_sigterm_drains_for_a_bounded_time_then_exits_leaving_no_vllm_work(collections, vllm_url):  # noqa: F811
+def test_sigterm_drains_for_a_bounded_time_then_exits_leaving_no_vllm_work(collections, vllm_url):
     port = free_port()
     env = os.environ | {"RAG_VLLM_URL": vllm_url, "RAG_CHROMA_PATH": str(collections), "RAG_COLLECTION": "facts",
                         "RAG_SERVICE__PORT": str(port), "RAG_TRAFFIC__DRAIN_S": "2",
@@ -263,7 +263,7 @@ def test_pre_warm_sends_a_unit_in_pieces_so_no_warm_up_step_is_long(books, vllm_
     assert max(prefilled) < 1024  # a whole unit is ~2.7K tokens
 
 
-async def test_background_store_reads_wait_while_a_user_request_is_present(collections, embedder):  # noqa: F811
+async def test_background_store_reads_wait_while_a_user_request_is_present(collections, embedder):
     from concurrent.futures import ThreadPoolExecutor
 
     from app.rag.retriever import Retriever

@@ -1,0 +1,64 @@
+"""Corpora and settings shared by the service tests (the ``collections`` fixture in conftest builds them)."""
+
+from __future__ import annotations
+
+import random
+
+from ingest.pipeline import run_ingest
+from ingest.store import open_collection
+from tests.conftest import ROOT
+
+# Four one-chunk documents: with top_k=4 every question retrieves the same SET, in its own relevance order.
+FACTS = {
+    "anchors.md": "Anchors hold a ship in place by digging into the seabed with their flukes.",
+    "compass.md": "A magnetic compass needle points toward magnetic north, not the geographic pole.",
+    "sails.md": "Square sails push a ship downwind while fore-and-aft sails can sail close to the wind.",
+    "tides.md": "Tides rise and fall twice a day because of the gravitational pull of the moon.",
+}
+
+
+def app_settings(chroma_path, vllm_url, collection="facts", **generation):
+    """These tests are about the prompt mechanics, so they pin the canonical strategy unless told otherwise."""
+    generation.setdefault("strategy", "canonical")
+    from app.settings import Settings
+
+    settings = Settings(_env_file=None)
+    settings.chroma.path, settings.chroma.collection = chroma_path, collection
+    settings.vllm.url, settings.vllm.retry_interval_s = vllm_url, 0.2
+    settings.generation = settings.generation.model_copy(update={"max_tokens": 8, **generation})
+    return settings
+
+
+def floor_block(tokens: int, block: int) -> int:
+    return tokens // block * block
+
+
+def write_service_collections(base, embedder):
+    """facts (four one-chunk documents), project-docs (docs/) and long (24 documents of 250 words), ingested."""
+    from app.settings import Settings
+
+    facts = base / "facts"
+    facts.mkdir()
+    for name, text in FACTS.items():
+        (facts / name).write_text(text + "\n")
+    settings = Settings(_env_file=None)
+    settings.chroma.path = base / "chroma"
+    long = base / "long"  # more text than the test server's 4096-token window
+    long.mkdir()
+    words = " ".join(FACTS.values()).split()  # a fixed vocabulary: the sizes never depend on other files
+    rng = random.Random(7)
+    for number in range(24):
+        (long / f"log-{number:02d}.md").write_text(" ".join(rng.choice(words) for _ in range(250)) + "\n")
+    for name, root in (("facts", facts), ("project-docs", ROOT / "docs"), ("long", long)):
+        settings.chroma.collection = name
+        run_ingest([root], settings, embedder)
+    return base / "chroma"
+
+
+def collection_of(settings, embedder):
+    return open_collection(settings.chroma, embedder, create=False)
+
+
+def snapshot(settings, embedder) -> dict[str, tuple[str, dict]]:
+    data = collection_of(settings, embedder).get(include=["documents", "metadatas"])
+    return {i: (d, m) for i, d, m in zip(data["ids"], data["documents"], data["metadatas"])}
