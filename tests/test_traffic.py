@@ -216,7 +216,6 @@ def test_a_question_during_pre_warm_goes_first_and_pre_warm_finishes_after(books
     assert 'prefixrag_warmup_units{kind="warmed"} ' + f"{float(done['units_warmed'])}" in metrics
 
 
-
 def test_pre_warm_stops_at_its_absolute_token_budget_and_says_so(books, vllm_url, embedder):
     chroma, _ = books
     settings = app_settings(chroma, vllm_url, collection="books", strategy="document", hotness_dir=None,

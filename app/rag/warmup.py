@@ -18,6 +18,7 @@ from app.rag.affinity import affinity_key
 from app.rag.context import ContextChunk
 from app.rag.planner import ContextPlanner
 from app.rag.traffic import LiveTraffic
+from app.rag.units import CHARS_PER_TOKEN
 from app.rag.upstream import Upstream, UpstreamInfo
 
 log = logging.getLogger("prefixrag.warmup")
@@ -162,7 +163,8 @@ class Warmer:
     def _piece_ends(self, chunks: list[ContextChunk]) -> list[int]:
         """Where to cut ``chunks``: each piece adds to the one before the chunks up to the first boundary past
         ``warm_piece_tokens`` (estimated from characters); the last end is the whole unit."""
-        per_piece = self.settings.warm_piece_tokens * (self.planner.estimator.chars_per_token or 4.0)
+        chars_per_token = self.planner.estimator.chars_per_token or CHARS_PER_TOKEN
+        per_piece = self.settings.warm_piece_tokens * chars_per_token
         ends, grown = [], 0.0
         for end, chunk in enumerate(chunks, 1):
             grown += len(chunk.text)
