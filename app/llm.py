@@ -27,6 +27,12 @@ class Completion:
 
 
 @dataclass(frozen=True)
+class Replica:
+    url: str
+    healthy: bool
+
+
+@dataclass(frozen=True)
 class Delta:
     text: str
 
@@ -104,11 +110,24 @@ class LLMClient:
             return []
         return special_tokens_of(response.json())
 
-    async def metrics_text(self) -> str:
+    async def metrics_text(self, replica: str | None = None) -> str:
+        """vLLM's Prometheus text; ``replica``: one replica's own (its root URL), not whichever the router picks."""
         with upstream_errors():
-            response = await self.http.get("/metrics")
+            response = await self.http.get(f"{replica.rstrip('/')}/metrics" if replica else "/metrics")
             response.raise_for_status()
             return response.text
+
+    async def replicas(self) -> list[Replica] | None:
+        """The replicas behind vllm-router (its ``GET /workers``), each with the router's health verdict; None
+        when the URL is a vLLM server itself (it has no such route)."""
+        with upstream_errors():
+            response = await self.http.get("/workers")
+        if response.status_code != 200:
+            return None
+        try:
+            return [Replica(w["url"], bool(w["is_healthy"])) for w in response.json()["workers"]]
+        except (ValueError, KeyError, TypeError):
+            return None
 
     async def reset_prefix_cache(self) -> None:
         """Needs vLLM started with VLLM_SERVER_DEV_MODE=1 (benchmarks only)."""
@@ -143,6 +162,10 @@ class upstream_errors:
         status = getattr(getattr(exc, "response", None), "status_code", None)
         if status in (502, 503, 504):
             raise UpstreamUnavailable(f"vLLM answered {status}") from exc
+        if status == 500 and "error sending request" in str(exc):
+            # vllm-router's words when the replica it chose (after its retries) cannot be reached: a replica is
+            # down, which is "try again shortly" (the router drops it within its health-check interval).
+            raise UpstreamUnavailable(f"a vLLM replica behind the router is unreachable: {exc}") from exc
         raise UpstreamError(f"vLLM error ({status}): {exc}") from exc
 
 

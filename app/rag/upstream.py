@@ -1,6 +1,7 @@
 """What we know about vLLM, kept fresh by a background monitor: reachable? which model, which window,
-is prefix caching on, which block size? It only probes and publishes: ``appeared`` is set each time vLLM
-(re)appears or restarts, which is when the warmer (``app.rag.warmup``) starts over."""
+is prefix caching on, which block size? Behind vllm-router: which replicas are healthy. It only probes and
+publishes: ``appeared`` is set each time vLLM (re)appears or restarts, or the router's set of healthy replicas
+changes (units now route elsewhere), which is when the warmer (``app.rag.warmup``) starts over."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import logging
 from dataclasses import asdict, dataclass
 
 from app.errors import ServiceError, UpstreamUnavailable
-from app.llm import LLMClient, metric_total, parse_metric_labels
+from app.llm import LLMClient, Replica, metric_total, parse_metric_labels
 from app.settings import VLLMSettings
 
 log = logging.getLogger("prefixrag.upstream")
@@ -33,7 +34,8 @@ class Upstream:
         self.reason = "not checked yet"
         self.appeared = asyncio.Event()  # set on every (re)appearance or restart; the warmer clears it
         self._wake = asyncio.Event()
-        self._queries_seen = 0.0
+        self.replicas: list[Replica] | None = None  # behind vllm-router: its replicas; None: vLLM itself
+        self._queries_seen: dict[str, float] = {}  # per vLLM server read directly: a drop means it restarted
 
     @property
     def ready(self) -> bool:
@@ -74,26 +76,65 @@ class Upstream:
 
     async def refresh(self) -> None:
         models = await self.llm.list_models()
-        metrics = await self.llm.metrics_text()
-        info = self._read_info(models, metrics)
+        replicas = await self.llm.replicas()
+        if replicas is not None and not any(r.healthy for r in replicas):
+            raise UpstreamUnavailable(f"vllm-router has no healthy replica (0/{len(replicas)})")
+        metrics = await self._metrics(replicas)
+        info = self._read_info(models, list(metrics.values()))
         # Read once per (re)appearance of vLLM, not on every probe: a restart may serve another model.
         known = self.info if self.reachable and self.info and self.info.model == info.model else None
         info.special_tokens = known.special_tokens if known else tuple(await self.llm.special_tokens())
         self.info = info
         self.llm.model = self.info.model
-        queries = metric_total(metrics, "vllm:prefix_cache_queries_total")
-        if queries < self._queries_seen:
-            log.warning("vLLM counters went back (%s -> %s): it restarted; re-warming", self._queries_seen, queries)
+        if self._restarted(metrics):
             self.appeared.set()
-        self._queries_seen = queries
+        if self.reachable and self._healthy(self.replicas) != self._healthy(replicas):
+            log.warning("vllm-router's healthy replicas changed %s -> %s: re-warming, each unit where it now routes",
+                        sorted(self._healthy(self.replicas)), sorted(self._healthy(replicas)))
+            self.appeared.set()
+        self.replicas = replicas
         if not self.reachable:
-            log.info("vLLM ready at %s: model=%s max_model_len=%d block_size=%d prefix_caching=%s",
+            log.info("vLLM ready at %s: model=%s max_model_len=%d block_size=%d prefix_caching=%s%s",
                      self.settings.url, self.info.model, self.info.max_model_len, self.info.block_size,
-                     self.info.prefix_caching)
+                     self.info.prefix_caching, f" replicas={self._replica_count()}" if replicas is not None else "")
             self.appeared.set()
         self.reachable, self.reason = True, "ready"
 
-    def _read_info(self, models: list[dict], metrics: str) -> UpstreamInfo:
+    async def _metrics(self, replicas: list[Replica] | None) -> dict[str, str]:
+        """Prometheus text per vLLM server read directly: the URL itself, or each healthy replica behind the
+        router. Where the replicas cannot be reached from here, the router's /metrics (one replica's, its pick):
+        enough for the cache config, not for restart detection (keyed "")."""
+        if replicas is None:
+            return {self.settings.url: await self.llm.metrics_text()}
+        found: dict[str, str] = {}
+        for replica in (r for r in replicas if r.healthy):
+            try:
+                found[replica.url] = await self.llm.metrics_text(replica.url)
+            except ServiceError:
+                continue
+        return found or {"": await self.llm.metrics_text()}
+
+    def _restarted(self, metrics: dict[str, str]) -> bool:
+        restarted = False
+        for server, text in metrics.items():
+            queries = metric_total(text, "vllm:prefix_cache_queries_total")
+            if server and queries < self._queries_seen.get(server, 0.0):
+                log.warning("vLLM counters at %s went back (%s -> %s): it restarted; re-warming",
+                            server, self._queries_seen[server], queries)
+                restarted = True
+            self._queries_seen[server] = queries
+        return restarted
+
+    @staticmethod
+    def _healthy(replicas: list[Replica] | None) -> frozenset[str]:
+        return frozenset(r.url for r in replicas or () if r.healthy)
+
+    def _replica_count(self) -> str:
+        return f"{len(self._healthy(self.replicas))}/{len(self.replicas or ())} healthy"
+
+    def _read_info(self, models: list[dict], metrics: list[str]) -> UpstreamInfo:
+        """From the model list and each server's metrics; behind a router the KV cache is the replicas' sum
+        (each unit is cached on one replica), the rest is read from the first."""
         wanted = self.settings.model
         names = [m["id"] for m in models]
         if wanted and wanted not in names:
@@ -101,7 +142,8 @@ class Upstream:
         if not wanted and len(names) != 1:
             raise UpstreamUnavailable(f"vLLM serves {names}: set RAG_MODEL to pick one")
         card = next(m for m in models if m["id"] == (wanted or names[0]))
-        cache = parse_metric_labels(metrics, "vllm:cache_config_info") or {}
+        caches = [parse_metric_labels(text, "vllm:cache_config_info") or {} for text in metrics]
+        cache = caches[0]
         prefix_caching = cache.get("enable_prefix_caching") == "True"
         if not prefix_caching:
             log.error("!!! vLLM prefix caching is OFF (enable_prefix_caching=%s): every prompt pays full "
@@ -109,8 +151,12 @@ class Upstream:
                       cache.get("enable_prefix_caching"))
         return UpstreamInfo(model=card["id"], max_model_len=int(card.get("max_model_len") or 2048),
                             block_size=int(cache.get("block_size") or 16), prefix_caching=prefix_caching,
-                            kv_cache_tokens=int(cache.get("kv_cache_size_tokens") or 0))
+                            kv_cache_tokens=sum(int(c.get("kv_cache_size_tokens") or 0) for c in caches))
 
     def status(self) -> dict:
-        return {"ready": self.ready, "reason": self.reason, "vllm_url": self.settings.url,
-                "vllm": asdict(self.info) if self.info else None}
+        status = {"ready": self.ready, "reason": self.reason, "vllm_url": self.settings.url,
+                  "vllm": asdict(self.info) if self.info else None}
+        if self.replicas is not None:  # behind vllm-router: how many replicas it can route to
+            status["router"] = {"healthy": len(self._healthy(self.replicas)), "total": len(self.replicas),
+                                "replicas": [asdict(r) for r in self.replicas]}
+        return status
