@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
 
-from app.llm import LLMClient, metric_total
+from app.llm import LLMClient
 from app.metrics import ServiceMetrics
 from app.rag.context import PromptBuilder
 from app.rag.prompts import PromptTemplates
@@ -19,6 +19,7 @@ from app.rag.service import RAGService
 from app.rag.upstream import Upstream
 from app.settings import GenerationSettings, Settings, TrafficSettings
 from bench.ceiling import BlockCacheCeiling
+from bench.fleet import Fleet, difference
 from bench.modes import Record, run_naive, run_prefixrag
 from bench.stats import summarise
 
@@ -45,11 +46,13 @@ class Harness:
         self.llm = LLMClient(self.settings.vllm)
         self.upstream = Upstream(self.llm, self.settings.vllm)
         await self.upstream.refresh()
+        self.fleet = await Fleet.discover(vllm_url, getattr(args, "replica_metrics", None))
         self.templates = PromptTemplates.load(self.settings.service.prompts_dir)
         return self
 
     async def close(self) -> None:
         await self.llm.aclose()
+        await self.fleet.aclose()
         self.retriever.close()
         self.executor.shutdown()
 
@@ -67,7 +70,7 @@ class Harness:
                           ServiceMetrics(), limits)
 
     async def run_mode(self, mode: str, stream, earlier: list[dict]) -> dict:
-        await self.llm.reset_prefix_cache()  # no mode profits from another's cache
+        await self.fleet.reset()  # no mode profits from another's cache (each replica's, behind a router)
         k, warmup_s, service = self.args.top_k, 0.0, None
         if mode == "naive-matched":
             k = await self._matched_k(stream, earlier)
@@ -86,15 +89,17 @@ class Harness:
                 return await run_naive(question, k, self.retriever, self.llm, self.args.max_tokens)
             return await run_prefixrag(question, k, service, self.args.max_tokens)
 
-        before = await self._counters()
+        before = await self.fleet.counters()
         started = time.perf_counter()
         records = await self._replay(stream, one)
         wall_s = time.perf_counter() - started
-        after = await self._counters()
+        counted = difference(before, await self.fleet.counters())
         warmed = service.warmer.warmed_prompts if service is not None else []
         ceiling = await self._ceiling(records, mode, warmed)
         result = {"mode": mode, "k": k, "warmup_s": round(warmup_s, 3)}
-        result |= summarise(records, stream, after[0] - before[0], after[1] - before[1], wall_s, ceiling)
+        result |= summarise(records, stream, counted["hits"], counted["queries"], wall_s, ceiling)
+        if self.fleet.routed:  # each replica's share of the work, and its own hit rate
+            result["replicas"] = counted["servers"]
         result["strategy"] = service.planner.name if service is not None else "naive"
         if service is not None:
             result["warmup"] = asdict(service.warmer.progress)
@@ -118,29 +123,26 @@ class Harness:
         await asyncio.gather(*(worker() for _ in range(self.args.concurrency)))
         return records
 
-    async def _counters(self) -> tuple[float, float]:
-        text = await self.llm.metrics_text()
-        return (metric_total(text, "vllm:prefix_cache_hits_total"),
-                metric_total(text, "vllm:prefix_cache_queries_total"))
-
-    async def _ceiling(self, records: list[Record], mode: str, warmed: list[list[dict]]) -> BlockCacheCeiling:
+    async def _ceiling(self, records: list[Record], mode: str, warmed: list[tuple[list[dict], str]]) -> BlockCacheCeiling:
         ceiling = BlockCacheCeiling(self.upstream.require().block_size)
         dump = None
         if self.args.dump_prompts:
             self.args.dump_prompts.mkdir(parents=True, exist_ok=True)
             dump = gzip.open(self.args.dump_prompts / f"{mode}.jsonl.gz", "wt")  # token ids compress ~4x
-        for messages in warmed:  # pre-warm prompts first, flagged, so a replay warms the cache the same way
+        for messages, key in warmed:  # pre-warm prompts first, flagged, so a replay warms the cache the same way
             ids = await self.llm.tokenize(messages)
             ceiling.prime(ids)
             if dump:
-                dump.write(json.dumps({"warmup": True, "prompt_token_ids": ids, "max_tokens": 1}) + "\n")
+                dump.write(json.dumps({"warmup": True, "prompt_token_ids": ids, "max_tokens": 1,
+                                       "prefix_key": key}) + "\n")
         for record in records:
             if record.error is None:
                 ids = await self.llm.tokenize(record.messages)
                 ceiling.add(ids)
                 if dump:
                     dump.write(json.dumps({"question_id": record.question_id, "prompt_token_ids": ids,
-                                           "max_tokens": self.args.max_tokens}) + "\n")
+                                           "max_tokens": self.args.max_tokens, "prefix_key": record.prefix_key})
+                               + "\n")
         if dump:
             dump.close()
         return ceiling

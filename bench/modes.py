@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass, field
 
 from app.llm import Completion, Delta
+from app.rag.affinity import affinity_key
 from app.rag.service import Answer, Query
 
 # Verbatim from LangChain's RAG tutorial (the usual way RAG prompts are built).
@@ -31,6 +32,7 @@ class Record:
     overhead_s: float = 0.0  # request -> vLLM call (embed + retrieve + assemble)
     doc_ids: set[str] = field(default_factory=set)
     messages: list[dict] = field(default_factory=list)
+    prefix_key: str = ""  # the routing key it was sent with (a replay through vllm-router sends it again)
     error: str | None = None
 
 
@@ -40,10 +42,10 @@ async def run_naive(question, k: int, retriever, llm, max_tokens: int) -> Record
     context = "\n\n".join(chunk.text for chunk in ranked)
     messages = [{"role": "system", "content": NAIVE_SYSTEM.format(context=context)},
                 {"role": "user", "content": question.text}]
-    record = Record(question.id, doc_ids={c.doc_id for c in ranked}, messages=messages)
+    record = Record(question.id, doc_ids={c.doc_id for c in ranked}, messages=messages, prefix_key="naive")
     record.overhead_s = time.perf_counter() - started
     completion = Completion()
-    request = llm.chat_request(messages, max_tokens=max_tokens, temperature=0.0, prefix_key="naive")
+    request = llm.chat_request(messages, max_tokens=max_tokens, temperature=0.0, prefix_key=record.prefix_key)
     async for _ in llm.stream_chat(request, completion):
         record.ttft_s = record.ttft_s or time.perf_counter() - started
     return _finish(record, completion, started)
@@ -59,6 +61,7 @@ async def run_prefixrag(question, k: int, service, max_tokens: int) -> Record:
         elif isinstance(event, Answer):
             record.doc_ids = {c.doc_id for c in event.context}  # recall: is the gold passage in the prompt?
             record.messages = event.messages
+            record.prefix_key = affinity_key(event.context)
             record.overhead_s = (event.timings_ms["retrieve"] + event.timings_ms["assemble"]) / 1000
             return _finish(record, event.completion, started)
     raise AssertionError("no answer")

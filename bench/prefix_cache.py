@@ -3,6 +3,8 @@ RAG on real QA data, read from vLLM's own counters.
 
 Every mode replays the same seeded, shuffled question stream against ONE vLLM server, whose prefix cache is
 reset between modes (POST /reset_prefix_cache: start vLLM with VLLM_SERVER_DEV_MODE=1, as --start-vllm does).
+Given a vllm-router's URL, the counters are summed over its replicas (each reset on its own) and each replica's
+share of the requests and prompt tokens is reported (bench.fleet).
 """
 
 from __future__ import annotations
@@ -32,6 +34,9 @@ def parse_args(argv):
     where.add_argument("--vllm-url", help="a running vLLM server (with VLLM_SERVER_DEV_MODE=1)")
     where.add_argument("--start-vllm", action="store_true", help="start the CPU test model server here")
     p.add_argument("--max-model-len", type=int, default=32768, help="with --start-vllm")
+    p.add_argument("--replica-metrics", type=lambda text: text.split(","),
+                   help="with --vllm-url of a vllm-router: its replicas' URLs, comma-separated, whose counters are "
+                        "summed (default: read from the router's /workers)")
     p.add_argument("--modes", default=DEFAULT_MODES,
                    help="comma list: naive, naive-matched, prefixrag (= service default), or a strategy name; "
                         "generation settings may follow a strategy: document:unit_quorum=1")

@@ -5,7 +5,11 @@ hit-rate and TTFT figures, without the rest of the stack (no Chroma, no embedder
 Each ``<mode>.jsonl`` (or ``.jsonl.gz``) in DIR is replayed at every ``--concurrency`` given, each time on a
 freshly reset prefix cache warmed with that mode's own pre-warm prompts. Beside the client-side TTFT it reports
 vLLM's own per-request means (TTFT, queue, prefill) from its histograms: the difference between the two is
-time spent outside the engine (HTTP, streaming, the API server)."""
+time spent outside the engine (HTTP, streaming, the API server).
+
+Given a vllm-router's URL, each prompt is sent with the routing key it was first sent with (``prefix_key``, in
+the dump), the counters are summed over the router's replicas (each reset on its own) and each replica's share
+of requests and prompt tokens is reported (``bench.fleet``)."""
 
 from __future__ import annotations
 
@@ -21,6 +25,7 @@ import httpx
 from app.llm import metric_total, parse_metric_labels
 from bench.ceiling import BlockCacheCeiling
 from bench.common import environment, write_json
+from bench.fleet import Fleet, counters_of, difference
 from bench.stats import ms_summary
 
 # vLLM's per-request histograms (seconds); the mean over a mode is (sum delta) / (count delta).
@@ -47,12 +52,19 @@ def server_means(before: str, after: str) -> dict[str, float | None]:
     return means
 
 
+AFFINITY_HEADER = "X-Session-ID"  # what vllm-router's consistent_hash reads (app.settings.VLLMSettings)
+
+
+def routing(row: dict) -> dict[str, str]:
+    return {AFFINITY_HEADER: row["prefix_key"]} if row.get("prefix_key") else {}
+
+
 async def stream_one(client: httpx.AsyncClient, model: str, row: dict) -> tuple[float, int] | None:
     """Send one prompt streamed; return (client TTFT seconds, cached tokens), or None on an error status."""
     body = {"model": model, "prompt": row["prompt_token_ids"], "max_tokens": row["max_tokens"],
             "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
     started, first, cached = time.perf_counter(), None, 0
-    async with client.stream("POST", "/v1/completions", json=body) as response:
+    async with client.stream("POST", "/v1/completions", json=body, headers=routing(row)) as response:
         if response.status_code != 200:
             return None
         async for line in response.aiter_lines():
@@ -66,19 +78,20 @@ async def stream_one(client: httpx.AsyncClient, model: str, row: dict) -> tuple[
     return (first or time.perf_counter()) - started, cached
 
 
-async def replay_mode(client: httpx.AsyncClient, model: str, rows: list[dict], concurrency: int,
+async def replay_mode(client: httpx.AsyncClient, fleet: Fleet, model: str, rows: list[dict], concurrency: int,
                       block: int) -> dict:
-    reset = await client.post("/reset_prefix_cache")
-    if reset.status_code != 200:
-        print(f"warning: could not reset the prefix cache ({reset.status_code}); start vLLM with "
+    try:
+        await fleet.reset()
+    except httpx.HTTPStatusError as exc:
+        print(f"warning: could not reset the prefix cache ({exc.response.status_code}); start vLLM with "
               "VLLM_SERVER_DEV_MODE=1 for comparable numbers")
     warmups = [row for row in rows if row.get("warmup")]
     rows = [row for row in rows if not row.get("warmup")]
     for row in warmups:  # the service's pre-warm, replayed before the counters are read
         warm = await client.post("/v1/completions", json={"model": model, "prompt": row["prompt_token_ids"],
-                                                          "max_tokens": 1, "temperature": 0})
+                                                          "max_tokens": 1, "temperature": 0}, headers=routing(row))
         warm.raise_for_status()
-    before = (await client.get("/metrics")).text
+    before_texts = await fleet.metrics()
     queue: asyncio.Queue = asyncio.Queue()
     for row in rows:
         queue.put_nowait(row)
@@ -91,11 +104,12 @@ async def replay_mode(client: httpx.AsyncClient, model: str, rows: list[dict], c
     started = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(concurrency)))
     wall = time.perf_counter() - started
-    after = (await client.get("/metrics")).text
+    after_texts = await fleet.metrics()
+    before, after = "\n".join(before_texts.values()), "\n".join(after_texts.values())
+    counted = difference({s: counters_of(t) for s, t in before_texts.items()},
+                         {s: counters_of(t) for s, t in after_texts.items()})
     ok = [o for o in outcomes if o is not None]
-    hits = metric_total(after, "vllm:prefix_cache_hits_total") - metric_total(before, "vllm:prefix_cache_hits_total")
-    queries = (metric_total(after, "vllm:prefix_cache_queries_total")
-               - metric_total(before, "vllm:prefix_cache_queries_total"))
+    hits, queries = counted["hits"], counted["queries"]
     ceiling = BlockCacheCeiling(block)
     for row in warmups:
         ceiling.prime(row["prompt_token_ids"])
@@ -108,7 +122,8 @@ async def replay_mode(client: httpx.AsyncClient, model: str, rows: list[dict], c
             "server_ms": server_means(before, after),
             "mean_prompt_tokens": round(prompt_tokens / max(len(rows), 1), 1),
             "mean_cached_tokens": round(sum(o[1] for o in ok) / max(len(ok), 1), 1),
-            "throughput_qps": round(len(ok) / wall, 3), "prompt_tokens_per_s": round(prompt_tokens / wall)}
+            "throughput_qps": round(len(ok) / wall, 3), "prompt_tokens_per_s": round(prompt_tokens / wall),
+            **({"replicas": counted["servers"]} if fleet.routed else {})}
 
 
 async def server_identity(client: httpx.AsyncClient) -> dict:
@@ -127,16 +142,18 @@ async def run(args) -> dict:
     paths = [p for p in paths if wanted is None or mode_name(p) in wanted]
     if wanted is not None:  # keep the order asked for
         paths.sort(key=lambda p: wanted.index(mode_name(p)))
+    fleet = await Fleet.discover(args.vllm_url, args.replica_metrics)
     async with httpx.AsyncClient(base_url=root, timeout=600) as client:
         server = await server_identity(client)
         results = []
         for path in paths:
             rows = load_rows(path)
             for concurrency in args.concurrency:
-                result = {"mode": mode_name(path)} | await replay_mode(client, server["model"], rows, concurrency,
-                                                                      server["block_size"])
+                result = {"mode": mode_name(path)} | await replay_mode(client, fleet, server["model"], rows,
+                                                                      concurrency, server["block_size"])
                 print(json.dumps(result), flush=True)
                 results.append(result)
+    await fleet.aclose()
     config = {"prompts": str(args.prompts), "concurrency": args.concurrency, "modes": args.modes,
               "out": str(args.out), "label": args.label}
     return {"config": config, "vllm_url": args.vllm_url, "server": server, "results": results,
@@ -155,6 +172,9 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prompts", type=Path, required=True, help="folder of <mode>.jsonl[.gz] token streams")
     parser.add_argument("--vllm-url", required=True, help="vLLM base URL (…/v1), started with VLLM_SERVER_DEV_MODE=1")
+    parser.add_argument("--replica-metrics", type=lambda text: text.split(","),
+                        help="with --vllm-url of a vllm-router: its replicas' URLs, comma-separated (default: read "
+                             "from the router's /workers)")
     parser.add_argument("--concurrency", type=concurrency_list, default=[1], help="e.g. 1,8,32 (default 1)")
     parser.add_argument("--modes", help="comma list of modes to replay, in this order (default: every dump)")
     parser.add_argument("--label", help="what the prompts are (e.g. the dataset), for the report")

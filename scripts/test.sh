@@ -4,9 +4,13 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-if ! command -v chromium >/dev/null 2>&1; then
-  echo "[test] installing Debian chromium for the page test" >&2
-  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) \
-    || echo "[test] chromium could not be installed; the browser test will fail" >&2
+# Debian packages the tests drive: chromium (the page test), docker-compose (validates docker/compose.yaml).
+missing=()
+command -v chromium >/dev/null 2>&1 || missing+=(chromium)
+command -v docker-compose >/dev/null 2>&1 || missing+=(docker-compose)
+if ((${#missing[@]})); then
+  echo "[test] installing Debian packages: ${missing[*]}" >&2
+  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null) \
+    || echo "[test] ${missing[*]} could not be installed; the tests that need them will fail" >&2
 fi
 exec .venv/bin/python -m pytest -q -ra "$@"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 
 from ingest.pipeline import run_ingest
@@ -62,3 +63,29 @@ def collection_of(settings, embedder):
 def snapshot(settings, embedder) -> dict[str, tuple[str, dict]]:
     data = collection_of(settings, embedder).get(include=["documents", "metadatas"])
     return {i: (d, m) for i, d, m in zip(data["ids"], data["documents"], data["metadatas"])}
+
+
+# Two SQuAD-shaped articles of three passages, with a question per passage and four rephrased (bench tests).
+ARTICLES = {
+    "Harbour": ["The harbour was dredged in 1850 to admit larger ships.",
+                "A lighthouse at the harbour mouth was lit in 1862.",
+                "Fishing fleets moved to the new quay in 1901."],
+    "Glacier": ["The glacier retreated two kilometres over the last century.",
+                "Meltwater from the glacier feeds the river through the valley.",
+                "Moraines mark where the glacier's snout once stood."],
+}
+
+
+def tiny_squad(root):
+    passages, questions = [], []
+    for title, texts in ARTICLES.items():
+        for index, text in enumerate(texts):
+            pid = f"{title}#{index}"
+            passages.append({"passage_id": pid, "title": title, "text": text})
+            questions.append({"id": f"q-{pid}", "question": f"What happened: {text[:30]}?", "passage_id": pid})
+    questions += [dict(q, id=q["id"] + "-again", question=q["question"].replace("What happened", "Tell me"))
+                  for q in questions[:4]]
+    root.mkdir()
+    (root / "passages.jsonl").write_text("\n".join(map(json.dumps, passages)) + "\n")
+    (root / "questions.jsonl").write_text("\n".join(map(json.dumps, questions)) + "\n")
+    return root

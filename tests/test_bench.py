@@ -7,31 +7,9 @@ import json
 import pytest
 
 from bench.ceiling import BlockCacheCeiling
+from tests.corpora import tiny_squad
 
 pytestmark = pytest.mark.vllm
-ARTICLES = {
-    "Harbour": ["The harbour was dredged in 1850 to admit larger ships.",
-                "A lighthouse at the harbour mouth was lit in 1862.",
-                "Fishing fleets moved to the new quay in 1901."],
-    "Glacier": ["The glacier retreated two kilometres over the last century.",
-                "Meltwater from the glacier feeds the river through the valley.",
-                "Moraines mark where the glacier's snout once stood."],
-}
-
-
-def tiny_squad(root):
-    passages, questions = [], []
-    for title, texts in ARTICLES.items():
-        for index, text in enumerate(texts):
-            pid = f"{title}#{index}"
-            passages.append({"passage_id": pid, "title": title, "text": text})
-            questions.append({"id": f"q-{pid}", "question": f"What happened: {text[:30]}?", "passage_id": pid})
-    questions += [dict(q, id=q["id"] + "-again", question=q["question"].replace("What happened", "Tell me"))
-                  for q in questions[:4]]
-    root.mkdir()
-    (root / "passages.jsonl").write_text("\n".join(map(json.dumps, passages)) + "\n")
-    (root / "questions.jsonl").write_text("\n".join(map(json.dumps, questions)) + "\n")
-    return root
 
 
 def test_ceiling_counts_only_leading_blocks_seen_before():

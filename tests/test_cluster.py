@@ -4,6 +4,7 @@ prompt's stable prefix), the app in front. Which replica served a request is rea
 
 from __future__ import annotations
 
+import json
 import time
 
 import httpx
@@ -14,7 +15,7 @@ from app.cluster import Cluster
 from app.llm import metric_total
 from app.main import create_app
 from app.vllm_process import free_port
-from tests.corpora import app_settings
+from tests.corpora import app_settings, tiny_squad
 from tests.servers import AppServer
 
 pytestmark = [pytest.mark.vllm, pytest.mark.cluster]
@@ -88,6 +89,26 @@ def test_a_three_turn_conversation_stays_on_one_replica(cluster, server):
         replicas.append(replica_of(cluster, before))
         messages.append({"role": "assistant", "content": reply.choices[0].message.content or "..."})
     assert len(set(replicas)) == 1, replicas
+
+
+def test_benchmarks_through_the_router_sum_the_replicas_and_replay_each_prompt_to_its_replica(cluster, tmp_path):
+    from bench.prefix_cache import main as prefix_cache
+    from bench.replay import main as replay
+
+    out, prompts = tmp_path / "routed.json", tmp_path / "prompts"
+    assert prefix_cache(["--data", str(tiny_squad(tmp_path / "tiny")), "--questions", "10", "--top-k", "2",
+                         "--vllm-url", cluster.router_url, "--max-tokens", "4", "--modes", "prefixrag",
+                         "--out", str(out), "--dump-prompts", str(prompts)]) == 0
+    routed = json.loads(out.read_text())["results"][0]
+    assert routed["errors"] == 0 and routed["queries"] > 0
+    assert set(routed["replicas"]) == set(cluster.replica_urls)
+    assert sum(r["requests"] for r in routed["replicas"].values()) == 10
+    assert replay(["--prompts", str(prompts), "--vllm-url", cluster.router_url, "--out", str(tmp_path / "r.json")]) == 0
+    replayed = json.loads((tmp_path / "r.json").read_text())["results"][0]
+    assert replayed["errors"] == 0 and sum(r["requests"] for r in replayed["replicas"].values()) == 10
+    # Each prompt went to the replica its key names, after its own pre-warm there: the same cache, the same hits.
+    assert [r["requests"] for r in replayed["replicas"].values()] == [r["requests"] for r in routed["replicas"].values()]
+    assert replayed["hit_rate"] == pytest.approx(routed["hit_rate"], abs=0.02)
 
 
 def test_a_killed_replica_leaves_ask_answering_and_when_back_it_is_re_warmed(cluster, server):

@@ -48,7 +48,8 @@ class Warmer:
         self.settings, self.llm, self.builder = planner.settings, planner.llm, planner.builder
         self.progress = WarmupProgress()
         self.priority = self.settings.warm_priority  # dropped (0) if vLLM does not schedule by priority
-        self.warmed_prompts: list[list[dict]] = []  # what is cached now (benchmarks prime their ceiling with it)
+        # What is cached now, with each prompt's routing key (benchmarks prime their ceiling with it and replay it).
+        self.warmed_prompts: list[tuple[list[dict], str]] = []
         self._kick = asyncio.Event()
         self._run: asyncio.Task | None = None
         self._started = 0.0
@@ -188,7 +189,7 @@ class Warmer:
         self.planner.estimator.observe(messages, tokens)
         if not whole:
             return tokens
-        self.warmed_prompts.append(messages)
+        self.warmed_prompts.append((messages, key))
         self.progress.tokens += tokens
         return tokens
 
