@@ -114,20 +114,35 @@ def test_benchmarks_through_the_router_sum_the_replicas_and_replay_each_prompt_t
 def test_a_killed_replica_leaves_ask_answering_and_when_back_it_is_re_warmed(cluster, server):
     before = served(cluster)
     ask(server, "Why do tides rise twice a day?")
-    home = replica_of(cluster, before)
+    home, other = replica_of(cluster, before), 1 - replica_of(cluster, before)
     cluster.kill_replica(home)
     for _ in range(3):  # the router retries on the other replica at once
         assert ask(server, "Why do tides rise twice a day?")["answer"] is not None
     wait_for(lambda: readyz(server)["router"]["healthy"] == 1, 60, "the app to see one healthy replica")
     assert readyz(server)["ready"] is True
 
+    cluster.kill_replica(other)  # none left: a fast 503 with Retry-After, and not ready
+    wait_for(lambda: refused_for_now(server), 60, "/ask to answer 503 + Retry-After")
+    wait_for(lambda: readyz(server)["reason"] == "vllm-router has no healthy replica (0/2)", 60,
+             "/readyz to say why it is not ready")
+    assert httpx.get(f"{server.url}/readyz", timeout=10).status_code == 503
+
+    cluster.restart_replica(other, wait=False)
     cluster.restart_replica(home)
-    wait_for(lambda: readyz(server)["router"]["healthy"] == 2, 120, "the app to see the replica back")
+    cluster.wait_replica(other)
+    wait_for(lambda: readyz(server).get("router", {}).get("healthy") == 2, 120, "the app to see both back")
     # Only pre-warm talks to the fresh replica until we ask: it has served some once that warm-up is done.
     wait_for(lambda: served(cluster)[home] > 0 and readyz(server)["warmup"]["state"] == "done", 300,
              "pre-warm to put the returned replica's units back")
     again = ask(server, "Why do tides rise twice a day?")
     assert again["usage"]["cached_tokens"] >= 256, "the unit was re-warmed on its replica before anyone asked"
+
+
+def refused_for_now(server: AppServer) -> bool:
+    response = httpx.post(f"{server.url}/ask", json={"question": "Anyone there?"}, timeout=30)
+    assert response.status_code in (200, 502, 503), response.text  # 502: a request the router could not place
+    return (response.status_code == 503 and int(response.headers["retry-after"]) > 0
+            and response.json()["error"]["type"] == "service_unavailable")
 
 
 def readyz(server: AppServer) -> dict:

@@ -75,10 +75,11 @@ class Upstream:
                 pass
 
     async def refresh(self) -> None:
-        models = await self.llm.list_models()
         replicas = await self.llm.replicas()
         if replicas is not None and not any(r.healthy for r in replicas):
+            self.replicas = replicas  # /readyz shows 0 of N, not the last good count
             raise UpstreamUnavailable(f"vllm-router has no healthy replica (0/{len(replicas)})")
+        models = await self.llm.list_models()
         metrics = await self._metrics(replicas)
         info = self._read_info(models, list(metrics.values()))
         # Read once per (re)appearance of vLLM, not on every probe: a restart may serve another model.
