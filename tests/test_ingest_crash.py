@@ -69,7 +69,10 @@ def test_without_a_terminal_ingest_prints_progress_lines_and_ctrl_c_is_one_line(
         [sys.executable, "-m", "ingest", str(corpus), "--chroma-path", str(interrupted.chroma.path),
          "--collection", interrupted.chroma.collection], cwd=ROOT, text=True,
         env=os.environ | {"RAG_INGEST__WRITE_BATCH": "16", "RAG_INGEST__PROGRESS_S": "0.01"},
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        # A suite started in the background by a shell (`cmd &`) inherits SIGINT ignored, and so would ingest:
+        # give it the default a terminal's Ctrl-C meets.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     progress = []
     while len(progress) < 3:  # stderr is a pipe, not a terminal: lines, not a progress bar
         line = process.stderr.readline()
