@@ -40,7 +40,7 @@ def create_app(settings: Settings | None = None, *, embedder=None) -> FastAPI:
         llm = LLMClient(settings.vllm)
         upstream = Upstream(llm, settings.vllm)
         metrics = ServiceMetrics()
-        retriever = Retriever(encoder, settings.chroma, executor)
+        retriever = Retriever(encoder, settings.chroma, executor, settings.retrieval)
         app.state.settings, app.state.upstream, app.state.metrics = settings, upstream, metrics
         service = RAGService(settings.generation, retriever, llm, PromptBuilder(templates), upstream, metrics,
                              settings.traffic)

@@ -63,7 +63,8 @@ class Source(BaseModel):
     id: str = Field(description="Stable chunk id, as cited in the prompt.")
     document: str = Field(description="Document id (path relative to the ingest root, or record id).")
     title: str
-    score: float = Field(description="Cosine similarity to the question.")
+    score: float = Field(description="Relevance, higher first: cosine similarity (dense retrieval), BM25 "
+                         "(lexical) or the reciprocal-rank-fusion score (hybrid).")
     chunk_index: int
 
 

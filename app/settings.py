@@ -22,6 +22,9 @@ class ChromaSettings(BaseModel):
     collection: str = Field("docs", min_length=3, max_length=512, description="Collection name (3-512 chars).")
     poll_s: float = Field(5.0, gt=0, description="How often the service checks whether an ingest changed the "
                           "collection (then it reloads it, drops cached units and re-warms).")
+    lexical_dir: Path | None = Field(
+        None, description="Where ingest keeps the lexical (BM25) index (default: beside the on-disk Chroma; "
+        "data/lexical/<server> for a Chroma server).")
 
     @field_validator("url")
     @classmethod
@@ -39,6 +42,15 @@ class EmbeddingSettings(BaseModel):
         1, ge=1, description="CPU threads the service's encoder uses per question (ingest uses them all): one short "
         "text gains nothing from more, and beside a CPU vLLM each extra thread stalls at every barrier "
         "(measured: a question's embedding took 0.5 s with 2 threads during pre-warm).")
+
+
+class RetrievalSettings(BaseModel):
+    mode: Literal["dense", "lexical", "hybrid"] = Field(
+        "hybrid", description="dense: embeddings only; lexical: BM25 only; hybrid: both, fused by reciprocal rank "
+        "(finds exact names, numbers and identifiers that embeddings miss; see README: retrieval).")
+    candidates: int = Field(
+        20, ge=1, le=200, description="hybrid: how deep each ranking is read before fusion (at least top_k).")
+    rrf_k: int = Field(60, ge=1, description="hybrid: reciprocal-rank-fusion constant (score = sum 1/(rrf_k+rank)).")
 
 
 class ChunkSettings(BaseModel):
@@ -177,6 +189,7 @@ class Settings(BaseSettings):
     chroma: ChromaSettings = Field(default_factory=ChromaSettings, description="Vector store.")
     embedding: EmbeddingSettings = Field(default_factory=EmbeddingSettings, description="Encoder.")
     chunking: ChunkSettings = Field(default_factory=ChunkSettings, description="Chunker.")
+    retrieval: RetrievalSettings = Field(default_factory=RetrievalSettings, description="Dense, lexical or hybrid.")
     ingest: IngestSettings = Field(default_factory=IngestSettings, description="Ingest pipeline.")
     vllm: VLLMSettings = Field(default_factory=VLLMSettings, description="Upstream vLLM server.")
     vllm_server: VLLMServerSettings = Field(default_factory=VLLMServerSettings, description="vLLM launcher.")

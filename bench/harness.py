@@ -42,7 +42,8 @@ class Harness:
         report = run_ingest([dataset.passages], self.settings, self.embedder)
         print(f"ingest: {report.chunks_written} chunks written in {time.perf_counter() - started:.1f}s", flush=True)
         self.executor = ThreadPoolExecutor(max_workers=2)
-        self.retriever = Retriever(self.embedder, self.settings.chroma, self.executor)
+        self.retriever = Retriever(self.embedder, self.settings.chroma, self.executor, self.settings.retrieval)
+        await asyncio.to_thread(self.retriever.lexical_index, True)  # ready before any timed question
         self.llm = LLMClient(self.settings.vllm)
         self.upstream = Upstream(self.llm, self.settings.vllm)
         await self.upstream.refresh()
@@ -147,11 +148,24 @@ class Harness:
             dump.close()
         return ceiling
 
+    async def retrieval_report(self, stream, depth: int = 20) -> dict:
+        """Recall of the retriever itself per mode: the share of answerable questions whose gold document is in
+        its top k (k = top_k and ``depth``), next to the prompt-level recall the modes report."""
+        answerable = [q for q in stream if q.gold]
+        report = {}
+        for mode in ("dense", "lexical", "hybrid"):
+            ranked = [await asyncio.to_thread(self.retriever.retrieve_sync, q.text, depth, None, mode)
+                      for q in answerable]
+            report[mode] = {f"recall@{k}": round(sum(bool({c.doc_id for c in r[:k]} & q.gold)
+                                                     for r, q in zip(ranked, answerable)) / len(answerable), 4)
+                            if answerable else None for k in sorted({self.args.top_k, depth})}
+        return report
+
     async def _matched_k(self, stream, earlier: list[dict]) -> int:
         """Smallest k at which naive's recall reaches the best prefixrag recall on these questions."""
         target = max((r["recall"] or 0 for r in earlier if r["mode"] not in ("naive", "naive-matched")), default=0)
         answerable = [q for q in stream if q.gold]
-        ranked = [await self.retriever.retrieve(q.text, MATCH_K_MAX) for q in answerable]
+        ranked = [await self.retriever.retrieve(q.text, MATCH_K_MAX, mode="dense") for q in answerable]
         for k in range(self.args.top_k, MATCH_K_MAX + 1):
             hits = sum(bool({c.doc_id for c in r[:k]} & q.gold) for r, q in zip(ranked, answerable))
             if answerable and hits / len(answerable) >= target:

@@ -38,7 +38,7 @@ class Record:
 
 async def run_naive(question, k: int, retriever, llm, max_tokens: int) -> Record:
     started = time.perf_counter()
-    ranked = await retriever.retrieve(question.text, k)
+    ranked = await retriever.retrieve(question.text, k, mode="dense")  # naive RAG: embeddings only
     context = "\n\n".join(chunk.text for chunk in ranked)
     messages = [{"role": "system", "content": NAIVE_SYSTEM.format(context=context)},
                 {"role": "user", "content": question.text}]

@@ -52,24 +52,27 @@ def main(argv: list[str] | None = None) -> int:
     stream = sample(dataset.questions, args.questions, args.seed)
     with tempfile.TemporaryDirectory(prefix="bench-") as tmp, _vllm(args, Path(tmp)) as vllm_url:
         chroma = args.chroma_path or Path(tmp) / "chroma"
-        results, skipped = asyncio.run(_run(args, dataset, stream, vllm_url, chroma))
-    from bench.stats import plot, table
+        results, skipped, retrieval = asyncio.run(_run(args, dataset, stream, vllm_url, chroma))
+    from bench.stats import plot, retrieval_table, table
 
     payload = {"config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
                "dataset": dataset.name, "question_ids": [q.id for q in stream], "environment": environment(),
-               "results": results, "skipped": skipped}
+               "retrieval": retrieval, "results": results, "skipped": skipped}
     write_json(args.out, payload)
     plot(results, args.out.with_suffix(".png"), f"{dataset.name}: {len(stream)} questions, "
                                                 f"concurrency {args.concurrency}, top-k {args.top_k}")
     print(table(results))
+    print(retrieval_table(retrieval))
     return 0
 
 
-async def _run(args, dataset, stream, vllm_url: str, chroma: Path) -> list[dict]:
+async def _run(args, dataset, stream, vllm_url: str, chroma: Path) -> tuple[list[dict], list[dict], dict]:
     from bench.harness import Harness
 
     harness = await Harness.create(dataset, vllm_url, chroma, args)
     try:
+        retrieval = await harness.retrieval_report(stream)
+        print(json.dumps({"retrieval": retrieval}), flush=True)
         results, skipped = [], []
         modes = [m.strip() for m in args.modes.split(",") if m.strip()]
         # naive-matched needs the best recall of the prefixrag modes: run it last.
@@ -81,7 +84,7 @@ async def _run(args, dataset, stream, vllm_url: str, chroma: Path) -> list[dict]
                 continue
             print(json.dumps({k: result[k] for k in ("mode", "k", "hit_rate", "ceiling", "recall")}), flush=True)
             results.append(result)
-        return results, skipped
+        return results, skipped, retrieval
     finally:
         await harness.close()
 

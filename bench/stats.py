@@ -49,6 +49,15 @@ def table(results: list[dict]) -> str:
     return "\n".join(rows)
 
 
+def retrieval_table(retrieval: dict) -> str:
+    """The retriever's own recall@k per retrieval mode (before any context strategy)."""
+    ks = list(next(iter(retrieval.values())))
+    rows = [f"{'retriever':<12}" + "".join(f"{k:>12}" for k in ks)]
+    rows += [f"{mode:<12}" + "".join(f"{values[k] if values[k] is not None else '-':>12}" for k in ks)
+             for mode, values in retrieval.items()]
+    return "\n".join(rows)
+
+
 def plot(results: list[dict], path: Path, title: str) -> None:
     import matplotlib
 

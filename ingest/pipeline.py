@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from app.settings import Settings
+from ingest import lexical
 from ingest.chunking import Chunk, Chunker
 from ingest.documents import LoadError, SourceDocument, sha256
 from ingest.loaders import is_supported, load_file
@@ -147,12 +148,15 @@ def run_ingest(roots: list[Path], settings: Settings, embedder, *, prune: bool =
         def prepare(path: Path, rel: str) -> FileResult:
             return plan(load(path, rel, settings, identity, by_source), stored, chunker, identity)
 
-        writer = ChunkWriter(collection, embedder, settings.ingest.write_batch, dry_run, report)
+        writer = ChunkWriter(collection, embedder, settings.ingest.write_batch, dry_run, report,
+                             before_first_write=lambda: mark_changed(collection))
         try:
             _write_and_prune(files, prepare, stored, ids_by_source, writer, report, settings, prune, progress)
         finally:
-            if report.writes and not dry_run:  # also after a failure: a half-written change is a change
+            if report.writes and not dry_run:  # stamped again when done: readers that reloaded mid-run reload
                 mark_changed(collection)
+        if collection is not None and not dry_run:  # rebuilt only when the collection's stamp moved
+            lexical.current(collection, settings.chroma, write=True)
     report.seconds = round(time.perf_counter() - started, 3)
     return report
 

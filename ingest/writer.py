@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -26,8 +26,12 @@ def max_write_batch(collection, wanted: int) -> int:
 
 
 class ChunkWriter:
-    def __init__(self, collection, embedder, batch: int, dry_run: bool, report) -> None:
+    def __init__(self, collection, embedder, batch: int, dry_run: bool, report,
+                 before_first_write: Callable[[], None] = lambda: None) -> None:
         self.collection, self.embedder = collection, embedder
+        # Called once, before the collection is first changed: the generation stamp moves before any row does,
+        # so a run killed mid-way never leaves changed rows under the old stamp (readers rebuild what they keep).
+        self._before_first_write: Callable[[], None] | None = before_first_write
         self.batch = max_write_batch(collection, batch)
         self.dry_run, self.report = dry_run, report
         self.vectors: dict[str, np.ndarray] = {}  # content hash -> embedding, this run and re-used stored ones
@@ -66,6 +70,7 @@ class ChunkWriter:
     def _write(self, batch: list[tuple[str, Chunk, dict]]) -> None:
         self._embed_missing([chunk for _, chunk, _ in batch])
         if not self.dry_run:
+            self._changing()
             try:
                 self.collection.upsert(
                     ids=[chunk.chunk_id for _, chunk, _ in batch],
@@ -79,6 +84,11 @@ class ChunkWriter:
         for doc_id, _, _ in batch:
             self.pending[doc_id].remaining -= 1
         self._delete_stale_of_complete_documents()
+
+    def _changing(self) -> None:
+        if self._before_first_write is not None:
+            announce, self._before_first_write = self._before_first_write, None
+            announce()
 
     def _embed_missing(self, chunks: list[Chunk]) -> None:
         todo: dict[str, str] = {}
@@ -102,6 +112,7 @@ class ChunkWriter:
         """Record a new file hash on chunks whose content did not change (a metadata-only write)."""
         if self.dry_run:
             return
+        self._changing()
         for batch in self._batches(ids):
             current = self.collection.get(ids=batch, include=["metadatas"])
             self.collection.update(ids=current["ids"],
@@ -116,6 +127,7 @@ class ChunkWriter:
             return
         self.report.chunks_deleted += len(ids)
         if not self.dry_run:
+            self._changing()
             for batch in self._batches(ids):
                 self.collection.delete(ids=batch)
 

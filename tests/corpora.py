@@ -89,3 +89,11 @@ def tiny_squad(root):
     (root / "passages.jsonl").write_text("\n".join(map(json.dumps, passages)) + "\n")
     (root / "questions.jsonl").write_text("\n".join(map(json.dumps, questions)) + "\n")
     return root
+
+
+def lexical_ids(settings) -> set[str]:
+    """The chunk ids in the BM25 index ingest saved beside the collection (empty where there is none)."""
+    from ingest import lexical
+
+    index = lexical.load(lexical.index_dir(settings.chroma))
+    return set(index.ids) if index else set()

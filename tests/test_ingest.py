@@ -9,7 +9,7 @@ import pytest
 
 from ingest.pipeline import run_ingest
 from tests.conftest import run_cli
-from tests.corpora import collection_of, snapshot
+from tests.corpora import collection_of, lexical_ids, snapshot
 from tests.fixtures_docs import write_corpus, write_pdf
 
 
@@ -48,6 +48,7 @@ def test_rerun_on_unchanged_corpus_writes_nothing(tmp_path, settings_factory, em
     assert first.chunks_written > 0
     assert second.writes == 0 and second.chunks_embedded == 0 and second.files_unchanged == 5
     assert snapshot(settings, embedder) == before
+    assert lexical_ids(settings) == set(before)  # the BM25 index beside it holds exactly the same ids
 
 
 def test_modified_file_replaces_its_chunks_and_reuses_unchanged_embeddings(tmp_path, settings_factory, embedder):
@@ -62,6 +63,7 @@ def test_modified_file_replaces_its_chunks_and_reuses_unchanged_embeddings(tmp_p
     texts = [t for t, m in snapshot(settings, embedder).values() if m["doc_id"] == "guide/lighthouses.md"]
     assert any("Foghorns" in t for t in texts)
     assert len(texts) == len(set(texts))  # no duplicate generations left behind
+    assert lexical_ids(settings) == set(snapshot(settings, embedder))
 
 
 def test_deleted_file_stays_until_prune_then_goes(tmp_path, settings_factory, embedder):
@@ -75,6 +77,7 @@ def test_deleted_file_stays_until_prune_then_goes(tmp_path, settings_factory, em
     pruned = run_ingest([corpus], settings, embedder, prune=True)
     assert pruned.files_removed == 1 and pruned.chunks_deleted >= 1
     assert not any(m["doc_id"] == "notes.txt" for _, m in snapshot(settings, embedder).values())
+    assert lexical_ids(settings) == set(snapshot(settings, embedder))
 
 
 def test_removed_jsonl_record_is_deleted_without_prune(tmp_path, settings_factory, embedder):
@@ -201,6 +204,7 @@ def test_chroma_server_mode(tmp_path, chroma_server, embedder, settings_factory)
     settings = settings_factory(collection="server-docs")
     settings.chroma.url = chroma_server
     assert collection_of(settings, embedder).count() == first["chunks_written"]
+    assert lexical_ids(settings) == set(snapshot(settings, embedder))  # kept locally (data/lexical/<server>)
 
 
 def test_a_bad_jsonl_line_costs_that_record_only(tmp_path, settings_factory, embedder):

@@ -14,7 +14,7 @@ import pytest
 
 from ingest.pipeline import run_ingest
 from tests.conftest import ROOT
-from tests.corpora import snapshot
+from tests.corpora import collection_of, lexical_ids, snapshot
 
 WORDS = ("harbour tide anchor keel mast rope gull wave reef compass chart beacon current drift sail "
          "storm pier buoy lantern cargo hull deck helm knot port starboard").split()
@@ -53,11 +53,17 @@ def test_sigkill_mid_ingest_then_rerun_equals_clean_ingest(tmp_path, settings_fa
     process.send_signal(signal.SIGKILL)
     process.wait()
     partial = len(snapshot(crashed, embedder))
+    # Before any re-run, a service's lexical view (saved copy or rebuilt) is exactly what Chroma holds.
+    from ingest import lexical
+
+    assert set(lexical.current(collection_of(crashed, embedder), crashed.chroma, write=False).ids) == set(
+        snapshot(crashed, embedder))
     report = run_ingest([corpus], crashed, embedder)
     run_ingest([corpus], clean, embedder)
     expected = snapshot(clean, embedder)
     assert 0 < partial < len(expected), "the kill must land mid-ingest for this test to mean anything"
     assert snapshot(crashed, embedder) == expected
+    assert lexical_ids(crashed) == set(expected)
     assert report.chunks_embedded <= len(expected) - partial + 16  # stored work was re-used, not redone
     assert run_ingest([corpus], crashed, embedder).writes == 0
 

@@ -1,4 +1,5 @@
-"""Question -> ranked chunks. Embedding and the Chroma query run on a worker thread, never on the event loop."""
+"""Question -> ranked chunks: dense (embeddings, Chroma), lexical (BM25, ``ingest.lexical``) or both fused by
+reciprocal rank. Embedding, queries and index builds run on worker threads, never on the event loop."""
 
 from __future__ import annotations
 
@@ -6,13 +7,15 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import replace
 from typing import TypeVar
 
 from app.errors import StoreUnavailable
 from app.rag.context import ContextChunk
 from app.rag.traffic import BACKGROUND
-from app.settings import ChromaSettings
+from app.settings import ChromaSettings, RetrievalSettings
+from ingest import lexical
 from ingest.store import StoreError, forget_clients, open_collection, read_generation
 
 T = TypeVar("T")
@@ -21,12 +24,15 @@ PAGE = 500  # rows per read: one read holds the GIL for tens of ms at most, then
 
 
 class Retriever:
-    def __init__(self, embedder, chroma: ChromaSettings, executor: ThreadPoolExecutor) -> None:
+    def __init__(self, embedder, chroma: ChromaSettings, executor: ThreadPoolExecutor,
+                 retrieval: RetrievalSettings | None = None) -> None:
         self.embedder, self.chroma, self.executor = embedder, chroma, executor
+        self.retrieval = retrieval or RetrievalSettings()
         # Background reads (pre-warm scanning the collection) queue here, not ahead of a user's retrieval.
         self.background_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="background-read")
         self._collection = None
         self._sources: tuple[float, list[str]] = (0.0, [])
+        self._lexical: Future | None = None  # the BM25 index of the collection as opened, loaded or being built
 
     def close(self) -> None:
         self.background_executor.shutdown(wait=False, cancel_futures=True)
@@ -60,7 +66,7 @@ class Retriever:
         reload from disk to see another process's writes)."""
         if not self.chroma.url:
             forget_clients()
-        self._collection, self._sources = None, (0.0, [])
+        self._collection, self._sources, self._lexical = None, (0.0, []), None
 
     async def count(self) -> int:
         """Chunks in the collection (cheap: no documents are read)."""
@@ -70,20 +76,64 @@ class Retriever:
         with chroma_errors("count"):
             return self.collection.count()
 
-    async def retrieve(self, question: str, k: int, source_prefix: str | None = None) -> list[ContextChunk]:
-        return await self._off_loop(self.retrieve_sync, question, k, source_prefix)
+    async def retrieve(self, question: str, k: int, source_prefix: str | None = None,
+                       mode: str | None = None) -> list[ContextChunk]:
+        return await self._off_loop(self.retrieve_sync, question, k, source_prefix, mode)
 
-    def retrieve_sync(self, question: str, k: int, source_prefix: str | None = None) -> list[ContextChunk]:
-        vector = self.embedder.embed([question])[0]
+    def retrieve_sync(self, question: str, k: int, source_prefix: str | None = None,
+                      mode: str | None = None) -> list[ContextChunk]:
+        """The top ``k`` chunks by ``mode`` (default: the configured one). While the BM25 index is still being
+        built (after a start or a reload), hybrid answers with the dense ranking alone rather than wait."""
+        mode = mode or self.retrieval.mode
         where = self._where(source_prefix)
         if where == {"source": {"$in": []}}:
             return []  # the filter matches no source at all
+        index = self.lexical_index(wait=mode == "lexical") if mode != "dense" else None
+        if index is None:
+            return self._dense(question, k, where)
+        depth = max(k, self.retrieval.candidates)
+        sources = set(where["source"]["$in"]) if where else None
+        found = index.search(question, depth if mode == "hybrid" else k, sources)
+        if mode == "lexical":
+            return self._chunks([i for i, _ in found], [score for _, score in found])
+        dense = self._dense(question, depth, where)
+        fused = reciprocal_rank_fusion([[c.id for c in dense], [i for i, _ in found]], self.retrieval.rrf_k)[:k]
+        known = {c.id: c for c in dense}
+        missing = self._chunks([i for i, _ in fused if i not in known], [0.0] * len(fused))
+        known |= {c.id: c for c in missing}
+        return [replace(known[i], score=round(score, 4), rank=rank) for rank, (i, score) in enumerate(fused)]
+
+    def _dense(self, question: str, k: int, where: dict | None) -> list[ContextChunk]:
+        vector = self.embedder.embed([question])[0]
         with chroma_errors("query"):
             found = self.collection.query(query_embeddings=[vector], n_results=k, where=where,
                                           include=["documents", "metadatas", "distances"])
         rows = zip(found["ids"][0], found["documents"][0], found["metadatas"][0], found["distances"][0])
         return [to_chunk(chunk_id, text, meta, 1.0 - distance, rank)
                 for rank, (chunk_id, text, meta, distance) in enumerate(rows)]
+
+    def _chunks(self, ids: list[str], scores: list[float]) -> list[ContextChunk]:
+        """These chunks read from Chroma, in this order (ids it no longer holds are dropped)."""
+        if not ids:
+            return []
+        with chroma_errors("read"):
+            page = self.collection.get(ids=ids, include=["documents", "metadatas"])
+        rows = {i: (text, meta) for i, text, meta in zip(page["ids"], page["documents"], page["metadatas"])}
+        return [to_chunk(i, *rows[i], score, rank) for rank, (i, score) in enumerate(zip(ids, scores)) if i in rows]
+
+    def lexical_index(self, wait: bool = False) -> lexical.LexicalIndex | None:
+        """The BM25 index of the collection as opened: loaded from ingest's files when their stamp matches,
+        else built from Chroma's rows, on the background thread. None while that runs (unless ``wait``)."""
+        if self._lexical is None:
+            collection = self.collection
+            self._lexical = self.background_executor.submit(lexical.current, collection, self.chroma, write=False)
+        if not (wait or self._lexical.done()):
+            return None
+        try:
+            return self._lexical.result()
+        except Exception as exc:  # an unreadable collection: the next request tries again
+            self._lexical = None
+            raise StoreUnavailable(f"the lexical index could not be built: {exc}") from exc
 
     async def chunks_where(self, where: dict | None, texts: bool = True) -> list[ContextChunk]:
         """All chunks matching a metadata filter (a parent document, or the whole collection), off the loop, a
@@ -116,6 +166,15 @@ class Retriever:
             sources = sorted({meta["source"] for meta in metas})
             self._sources = (time.monotonic(), sources)
         return sources
+
+
+def reciprocal_rank_fusion(rankings: list[list[str]], k: int) -> list[tuple[str, float]]:
+    """Ids by the sum over rankings of 1 / (k + rank); ties by id, so the order is the same on every run."""
+    scores: dict[str, float] = {}
+    for ranking in rankings:
+        for rank, chunk_id in enumerate(ranking, start=1):
+            scores[chunk_id] = scores.get(chunk_id, 0.0) + 1.0 / (k + rank)
+    return sorted(scores.items(), key=lambda item: (-item[1], item[0]))
 
 
 @contextlib.contextmanager

@@ -1,0 +1,128 @@
+"""The lexical (BM25) index of a collection, kept beside it.
+
+It is built from the collection's own rows (ids, texts, sources) and stamped with the collection's generation
+and row count, so it holds exactly the collection's ids: ingest rebuilds it after every run that changed the
+collection (a run killed mid-way leaves the stamp behind, and the next run rebuilds); a service that finds the
+stamp differs builds its own copy in memory from Chroma. Only ingest writes the files (under its write lock).
+Scoring is bm25s (Lucene BM25) over lower-cased words, English stop words removed, Snowball-stemmed; words
+joined by underscores (``sys_path_init``) stay one token, so identifiers match exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlparse
+
+import numpy as np
+
+from app.settings import ChromaSettings
+from ingest.store import GENERATION_KEY, PAGE
+
+META = "prefixrag-lexical.json"
+
+
+def index_dir(cfg: ChromaSettings) -> Path:
+    """Beside an on-disk Chroma; for a Chroma server, under ``lexical_dir`` per server and collection."""
+    if cfg.lexical_dir is not None or cfg.url:
+        server = urlparse(cfg.url).netloc.replace(":", "_") if cfg.url else "local"
+        return Path(cfg.lexical_dir or "data/lexical") / server / cfg.collection
+    return Path(cfg.path) / "prefixrag-lexical" / cfg.collection
+
+
+def tokenize(texts: list[str]) -> list[list[str]]:
+    import bm25s
+    import Stemmer
+
+    return bm25s.tokenize(texts, stopwords="en", stemmer=Stemmer.Stemmer("english"), return_ids=False,
+                          show_progress=False)
+
+
+def stamp_of(collection) -> tuple[str, int]:
+    return (collection.metadata or {}).get(GENERATION_KEY, ""), collection.count()
+
+
+@dataclass
+class LexicalIndex:
+    generation: str
+    ids: list[str]
+    sources: list[str]
+    bm25: object  # bm25s.BM25
+
+    @property
+    def stamp(self) -> tuple[str, int]:
+        return self.generation, len(self.ids)
+
+    def search(self, question: str, k: int, sources: set[str] | None = None) -> list[tuple[str, float]]:
+        """Up to ``k`` (chunk id, BM25 score) best first, only chunks sharing a word with the question and,
+        with ``sources``, only from those sources (the same filter the dense search applies)."""
+        if not self.ids or k < 1:
+            return []
+        mask = None if sources is None else np.array([s in sources for s in self.sources], dtype=np.float32)
+        found, scores = self.bm25.retrieve(tokenize([question]), k=min(k, len(self.ids)), weight_mask=mask,
+                                           show_progress=False, n_threads=1)
+        return [(self.ids[i], float(s)) for i, s in zip(found[0], scores[0]) if s > 0]
+
+
+def build(collection) -> LexicalIndex:
+    """Read every row of the collection (a page at a time) and index it."""
+    import bm25s
+
+    generation, _ = stamp_of(collection)
+    ids, texts, sources, offset = [], [], [], 0
+    while True:
+        page = collection.get(include=["documents", "metadatas"], limit=PAGE, offset=offset)
+        ids += page["ids"]
+        texts += page["documents"]
+        sources += [meta["source"] for meta in page["metadatas"]]
+        if len(page["ids"]) < PAGE:
+            break
+        offset += PAGE
+    bm25 = bm25s.BM25()
+    if texts:
+        bm25.index(tokenize(texts), show_progress=False)
+    return LexicalIndex(generation, ids, sources, bm25)
+
+
+def save(index: LexicalIndex, folder: Path) -> None:
+    """Write to a new folder, then swap it in: a reader finds the old index or the new one, never half of one."""
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    fresh = folder.with_name(f".{folder.name}.{uuid.uuid4().hex[:8]}")
+    if index.ids:
+        index.bm25.save(str(fresh), show_progress=False)
+    fresh.mkdir(parents=True, exist_ok=True)
+    (fresh / META).write_text(json.dumps({"generation": index.generation, "ids": index.ids,
+                                          "sources": index.sources}))
+    old = folder.with_name(f".{folder.name}.old-{uuid.uuid4().hex[:8]}")
+    if folder.exists():
+        folder.rename(old)
+    fresh.rename(folder)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def load(folder: Path) -> LexicalIndex | None:
+    """The saved index, or None where there is none (or it cannot be read: it is rebuilt then)."""
+    import bm25s
+
+    try:
+        meta = json.loads((folder / META).read_text())
+        bm25 = bm25s.BM25.load(str(folder), show_progress=False) if meta["ids"] else bm25s.BM25()
+    except (OSError, ValueError, KeyError):
+        return None
+    return LexicalIndex(meta["generation"], meta["ids"], meta["sources"], bm25)
+
+
+def current(collection, cfg: ChromaSettings, *, write: bool) -> LexicalIndex:
+    """The index matching the collection as it is now: the saved one if its stamp matches, else built afresh
+    (and saved, with ``write``: ingest, holding the write lock)."""
+    folder = index_dir(cfg)
+    saved = load(folder)
+    if saved is not None and saved.stamp == stamp_of(collection):
+        return saved
+    index = build(collection)
+    if write:
+        save(index, folder)
+    return index
