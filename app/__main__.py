@@ -1,18 +1,35 @@
-"""``python -m app``: serve ``create_app(Settings())`` with uvicorn."""
+"""``python -m app``: serve ``create_app(Settings())`` with uvicorn. Every setting comes from the environment
+(``RAG_*``, ``.env``); the flags below override the few a person changes at the command line."""
 
 from __future__ import annotations
 
+import argparse
 import logging
+import os
 import sys
 
 import uvicorn
 from pydantic import ValidationError
 
 
-def main() -> int:
-    from app.main import create_app
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m app", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog="Settings: see README 'Configuration' (e.g. RAG_VLLM_URL, RAG_CHROMA_PATH, "
+                                            "RAG_COLLECTION, RAG_API_KEY).")
+    parser.add_argument("--host", help="bind address (RAG_SERVICE__HOST, default 127.0.0.1)")
+    parser.add_argument("--port", type=int, help="port (RAG_SERVICE__PORT, default 8080)")
+    parser.add_argument("--reload", action="store_true", help="restart on code changes (development)")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
     from app.settings import Settings
 
+    args = parse_args(argv)
+    # Flags become the settings' own variables, so a --reload worker process reads them too.
+    os.environ.update({k: str(v) for k, v in {"RAG_SERVICE__HOST": args.host, "RAG_SERVICE__PORT": args.port}.items()
+                       if v is not None})
     try:
         settings = Settings()
     except ValidationError as exc:
@@ -25,9 +42,16 @@ def main() -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)
     # SIGTERM: stop accepting, let requests in flight finish for drain_s, then cut them off (closing their
     # vLLM requests, which vLLM then aborts) and exit.
-    uvicorn.run(create_app(settings), host=settings.service.host, port=settings.service.port, log_level="info",
-                timeout_graceful_shutdown=settings.traffic.drain_s)
+    app = "app.main:create_app" if args.reload else _create(settings)
+    uvicorn.run(app, factory=args.reload, reload=args.reload, host=settings.service.host,
+                port=settings.service.port, log_level="info", timeout_graceful_shutdown=settings.traffic.drain_s)
     return 0
+
+
+def _create(settings):
+    from app.main import create_app
+
+    return create_app(settings)
 
 
 if __name__ == "__main__":
