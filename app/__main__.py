@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
 
@@ -24,6 +23,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from app.observability import configure_logging
     from app.settings import Settings
 
     args = parse_args(argv)
@@ -36,15 +36,13 @@ def main(argv: list[str] | None = None) -> int:
         first = exc.errors()[0]
         print(f"error: invalid setting {'.'.join(map(str, first['loc']))}: {first['msg']}", file=sys.stderr)
         return 2
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    # httpx logs every request at INFO: the readiness and collection polls would drown what happens. Our own
-    # monitors log state changes instead.
-    logging.getLogger("httpx").setLevel(logging.WARNING)
+    configure_logging()
     # SIGTERM: stop accepting, let requests in flight finish for drain_s, then cut them off (closing their
     # vLLM requests, which vLLM then aborts) and exit.
     app = "app.main:create_app" if args.reload else _create(settings)
     uvicorn.run(app, factory=args.reload, reload=args.reload, host=settings.service.host,
-                port=settings.service.port, log_level="info", timeout_graceful_shutdown=settings.traffic.drain_s)
+                port=settings.service.port, log_level="info", timeout_graceful_shutdown=settings.traffic.drain_s,
+                log_config=None)  # uvicorn's lines go through ours: request id, quiet probes
     return 0
 
 

@@ -11,6 +11,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from app.edge import RequestEdge
+from app.observability import observe
 from app.http_errors import install_error_handlers
 from app.settings import Settings
 
@@ -20,11 +21,13 @@ log = logging.getLogger("prefixrag")
 def create_app(settings: Settings | None = None, *, embedder=None) -> FastAPI:
     """Build the app. ``embedder`` may be passed in to share one loaded encoder (tests, benchmarks)."""
     settings = settings or Settings()
+    from app.metrics import ServiceMetrics
+
+    metrics = ServiceMetrics()  # built with the app: the HTTP instrumentation below records into it
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         from app.llm import LLMClient
-        from app.metrics import ServiceMetrics
         from app.rag.context import PromptBuilder
         from app.rag.prompts import PromptTemplates
         from app.rag.retriever import Retriever
@@ -39,7 +42,6 @@ def create_app(settings: Settings | None = None, *, embedder=None) -> FastAPI:
             executor, lambda: Embedder(settings.embedding).load())  # loaded now, not by the first question
         llm = LLMClient(settings.vllm)
         upstream = Upstream(llm, settings.vllm)
-        metrics = ServiceMetrics()
         retriever = Retriever(encoder, settings.chroma, executor, settings.retrieval)
         app.state.settings, app.state.upstream, app.state.metrics = settings, upstream, metrics
         service = RAGService(settings.generation, retriever, llm, PromptBuilder(templates), upstream, metrics,
@@ -67,6 +69,7 @@ def create_app(settings: Settings | None = None, *, embedder=None) -> FastAPI:
                   description="Retrieval-augmented answers from vLLM, with prompts built for prefix-cache hits.")
     install_error_handlers(app)
     app.add_middleware(RequestEdge, max_body_bytes=settings.service.max_body_bytes, api_key=settings.service.api_key)
+    observe(app, metrics)
     from app.routers import ask, health, openai_chat, page
 
     app.include_router(health.router)

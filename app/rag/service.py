@@ -222,8 +222,12 @@ class RAGService:
         self.metrics.observe_answer(strategy, completion.prompt_tokens, completion.cached_tokens, ttft)
         # Most relevant first (ranks can be shared: a unit or the corpus carries one rank for all its chunks).
         sources = sorted((c for c in context if c.retrieved), key=lambda c: -c.score)
+        timings = clock.timings(ttft, done)
+        log.info("answered: strategy=%s prompt=%d cached=%d completion=%d finish=%s ttft_ms=%.0f total_ms=%.0f",
+                 strategy, completion.prompt_tokens, completion.cached_tokens, completion.completion_tokens,
+                 completion.finish_reason, timings["ttft"], timings["total"])
         yield Answer(text=completion.text, sources=sources, completion=completion, strategy=strategy,
-                     timings_ms=clock.timings(ttft, done), messages=messages, context=context)
+                     timings_ms=timings, messages=messages, context=context)
 
     def _chunk_chars(self, chunk: ContextChunk) -> int:
         return len(self.builder.render_chunk(chunk))
