@@ -62,7 +62,8 @@ class Cluster:
         self.router_port = router_port
         self.router = Child("vllm-router", [
             sys.executable, "-m", "vllm_router.launch_router", "--host", "127.0.0.1", "--port", str(router_port),
-            "--worker-urls", *self.replica_urls, *ROUTER_FLAGS, "--prometheus-host", "127.0.0.1", "--prometheus-port", str(router_metrics_port)], logs / "router.log")
+            "--worker-urls", *self.replica_urls, *ROUTER_FLAGS,
+            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(router_metrics_port)], logs / "router.log")
         self.chroma_port = chroma_port
         self.chroma = None if chroma_port is None else Child("chroma", [
             str(Path(sys.executable).with_name("chroma")), "run", "--path", str(chroma_path),
@@ -84,7 +85,7 @@ class Cluster:
     def app_env(self) -> dict[str, str]:
         return {"RAG_VLLM_URL": self.router_url} | ({"RAG_CHROMA_URL": self.chroma_url} if self.chroma_url else {})
 
-    def __enter__(self) -> "Cluster":
+    def __enter__(self) -> Cluster:
         try:
             for child in self.replicas + ([self.chroma] if self.chroma else []):
                 child.start()  # all at once: replicas load in parallel

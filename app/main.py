@@ -11,8 +11,8 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from app.edge import RequestEdge
-from app.observability import observe
 from app.http_errors import install_error_handlers
+from app.observability import observe
 from app.settings import Settings
 
 log = logging.getLogger("prefixrag")

@@ -35,7 +35,8 @@ class ChromaSettings(BaseModel):
 
 
 class EmbeddingSettings(BaseModel):
-    model: str = Field(PACKAGED_EMBEDDER, description="Sentence-transformers model path, or 'packaged:all-MiniLM-L6-v2'.")
+    model: str = Field(PACKAGED_EMBEDDER,
+                       description="Sentence-transformers model path, or 'packaged:all-MiniLM-L6-v2'.")
     batch_size: int = Field(64, ge=1, le=1024, description="Texts per encoder forward pass.")
     device: str = Field("cpu", description="Torch device for the encoder.")
     query_threads: int = Field(
@@ -59,7 +60,7 @@ class ChunkSettings(BaseModel):
     parent_field: str | None = Field(None, description="JSONL field naming a record's parent document.")
 
     @model_validator(mode="after")
-    def _overlap_below_size(self) -> "ChunkSettings":
+    def _overlap_below_size(self) -> ChunkSettings:
         if self.overlap >= self.size:
             raise ValueError(f"chunk overlap ({self.overlap}) must be smaller than chunk size ({self.size})")
         return self
@@ -78,7 +79,8 @@ class VLLMSettings(BaseModel):
     model: str | None = Field(None, description="Served model name; default: the one model vLLM lists.")
     api_key: str = Field("EMPTY", description="API key sent to vLLM (vLLM's --api-key), if any.")
     timeout_s: float = Field(120.0, gt=0, description="Per-request timeout to vLLM; over it /ask answers 504.")
-    connect_retries: int = Field(60, ge=0, description="Start-up probes of vLLM before giving up logging (keeps probing).")
+    connect_retries: int = Field(60, ge=0,
+                                 description="Start-up probes of vLLM before giving up logging (keeps probing).")
     retry_interval_s: float = Field(2.0, gt=0, description="Seconds between vLLM readiness probes.")
     affinity_header: str = Field(
         "X-Session-ID", description="Header carrying each request's prefix-affinity key: vllm-router's "
@@ -90,8 +92,10 @@ class VLLMServerSettings(BaseModel):
 
     model: str | None = Field(None, description="HF model id or local folder to serve (e.g. Qwen/Qwen2.5-7B-Instruct).")
     served_model_name: str | None = Field(None, description="Name vLLM lists in /v1/models (default: the model).")
-    test_model: bool = Field(False, description="Serve the tiny dummy-weight Llama test model (noise text, real cache).")
-    cache_dir: Path = Field(Path.home() / ".cache" / "prefixrag", description="Where test/converted models are written.")
+    test_model: bool = Field(False,
+                             description="Serve the tiny dummy-weight Llama test model (noise text, real cache).")
+    cache_dir: Path = Field(Path.home() / ".cache" / "prefixrag",
+                            description="Where test/converted models are written.")
     host: str = Field("127.0.0.1", description="Bind address of vLLM.")
     port: int = Field(8000, ge=1, le=65535, description="Port of vLLM.")
     max_model_len: int = Field(8192, ge=128, description="Context window vLLM allocates per sequence.")
@@ -138,7 +142,8 @@ class GenerationSettings(BaseModel):
     unit_quorum: float = Field(
         0.5, ge=0, le=1, description="document strategy: a unit bigger than the plain top-k is the context when it "
         "holds this share of the hits, else the plain top-k is (hits after a long unit would be uncached text).")
-    max_unit_tokens: int = Field(12288, ge=128, description="document strategy: a bigger parent is cut into aligned windows.")
+    max_unit_tokens: int = Field(12288, ge=128,
+                                 description="document strategy: a bigger parent is cut into aligned windows.")
     warm_kv_share: float = Field(0.5, gt=0, le=1, description="Share of vLLM's KV cache that unit pre-warm may fill.")
     warm_max_tokens: int = Field(
         1 << 20, ge=0, description="Absolute cap on prompt tokens one pre-warm sends (besides the KV share): "
@@ -198,16 +203,18 @@ class Settings(BaseSettings):
     traffic: TrafficSettings = Field(default_factory=TrafficSettings, description="Admission control, shutdown.")
 
     # Flat aliases for the everyday knobs; applied over the nested values when set.
-    chroma_path: Path | None = Field(None, validation_alias=AliasChoices("RAG_CHROMA_PATH"), description="= chroma.path")
+    chroma_path: Path | None = Field(None, validation_alias=AliasChoices("RAG_CHROMA_PATH"),
+                                     description="= chroma.path")
     chroma_url: str | None = Field(None, validation_alias=AliasChoices("RAG_CHROMA_URL"), description="= chroma.url")
-    collection: str | None = Field(None, validation_alias=AliasChoices("RAG_COLLECTION"), description="= chroma.collection")
+    collection: str | None = Field(None, validation_alias=AliasChoices("RAG_COLLECTION"),
+                                   description="= chroma.collection")
     vllm_url: str | None = Field(None, validation_alias=AliasChoices("RAG_VLLM_URL"), description="= vllm.url")
     model: str | None = Field(None, validation_alias=AliasChoices("RAG_MODEL"), description="= vllm.model")
     top_k: int | None = Field(None, validation_alias=AliasChoices("RAG_TOP_K"), description="= generation.top_k")
     api_key: str | None = Field(None, validation_alias=AliasChoices("RAG_API_KEY"), description="= service.api_key")
 
     @model_validator(mode="after")
-    def _apply_flat_aliases(self) -> "Settings":
+    def _apply_flat_aliases(self) -> Settings:
         pairs = [
             ("chroma_path", self.chroma, "path"), ("chroma_url", self.chroma, "url"),
             ("collection", self.chroma, "collection"), ("vllm_url", self.vllm, "url"),

@@ -44,7 +44,7 @@ class Child:
         self.name, self.argv, self.log_path, self.env = name, argv, log_path, env or {}
         self.process: subprocess.Popen | None = None
 
-    def start(self) -> "Child":
+    def start(self) -> Child:
         with open(self.log_path, "a") as log:
             self.process = subprocess.Popen(self.argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
                                             env=os.environ | {"PYTHONUNBUFFERED": "1"} | self.env,

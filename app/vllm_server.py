@@ -1,7 +1,8 @@
 """``python -m app.vllm_server``: start vLLM's OpenAI server with the flags prefixrag relies on.
 
 Prefix caching and chunked prefill are always on, ``--enable-prompt-tokens-details`` makes every response
-report ``cached_tokens``, and priority scheduling lets pre-warm queue behind users. The exact command is printed before it runs.
+report ``cached_tokens``, and priority scheduling lets pre-warm queue behind users. The exact command is printed
+before it runs.
 """
 
 from __future__ import annotations

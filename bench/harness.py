@@ -28,7 +28,7 @@ MATCH_K_MAX = 100
 
 class Harness:
     @classmethod
-    async def create(cls, dataset, vllm_url: str, chroma: Path, args) -> "Harness":
+    async def create(cls, dataset, vllm_url: str, chroma: Path, args) -> Harness:
         from ingest.embedder import Embedder
         from ingest.pipeline import run_ingest
 
@@ -124,7 +124,8 @@ class Harness:
         await asyncio.gather(*(worker() for _ in range(self.args.concurrency)))
         return records
 
-    async def _ceiling(self, records: list[Record], mode: str, warmed: list[tuple[list[dict], str]]) -> BlockCacheCeiling:
+    async def _ceiling(self, records: list[Record], mode: str,
+                       warmed: list[tuple[list[dict], str]]) -> BlockCacheCeiling:
         ceiling = BlockCacheCeiling(self.upstream.require().block_size)
         dump = None
         if self.args.dump_prompts:

@@ -74,7 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "data": str(args.data), "files": first.files_seen, "failed": len(first.failed), "chunks": first.chunks_written,
         "chunks_embedded": first.chunks_embedded, "bytes": size, "seconds": first.seconds,
-        "chunks_per_s": round(first.chunks_written / first.seconds, 2), "mb_per_s": round(size / 1e6 / first.seconds, 3),
+        "chunks_per_s": round(first.chunks_written / first.seconds, 2),
+        "mb_per_s": round(size / 1e6 / first.seconds, 3),
         "embedded_per_s": round(ingest_rate, 2), "raw_encoder_chunks_per_s": round(encoder_rate, 2),
         "ratio_to_encoder": round(ingest_rate / encoder_rate, 3), "encoder_batch_size": settings.embedding.batch_size,
         "reingest_seconds": again.seconds, "reingest_writes": again.writes,

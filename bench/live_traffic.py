@@ -35,7 +35,8 @@ DEFAULT_DATA = Path("../shared/data/python-3.11-docs-html/files")
 HEALTH_PROBE = """
 import http.client, json, sys, time, urllib.parse
 url = urllib.parse.urlsplit(sys.argv[1])
-connection, latencies, deadline = http.client.HTTPConnection(url.hostname, url.port), [], time.monotonic() + float(sys.argv[2])
+connection, latencies = http.client.HTTPConnection(url.hostname, url.port), []
+deadline = time.monotonic() + float(sys.argv[2])
 while time.monotonic() < deadline:
     sent = time.monotonic()
     try:

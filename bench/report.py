@@ -63,7 +63,8 @@ def replay_command(config: dict) -> str:
 
 def replay_row(r: dict) -> str:
     server = r.get("server_ms", {})
-    fmt = lambda v: "–" if v is None else f"{v:.1f}"
+    def fmt(v):
+        return "–" if v is None else f"{v:.1f}"
     cells = [f"`{r['mode']}`", r["concurrency"], f"{r['hit_rate']:.3f}", f"{r['ceiling']:.3f}",
              f"{r['mean_prompt_tokens']:.0f}", f"{r['mean_cached_tokens']:.0f}", f"{r['ttft_ms']['p50']:.1f}",
              f"{r['ttft_ms']['p95']:.1f}", f"{r['ttft_ms']['p99']:.1f}", fmt(server.get("ttft_mean_ms")),

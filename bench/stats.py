@@ -22,7 +22,8 @@ def summarise(records, questions, hits: float, queries: float, wall_s: float, ce
     ok = [r for r in records if r.error is None]
     answerable = [(r, q) for r, q in zip(records, questions) if q.gold and r.error is None]
     recall = sum(bool(r.doc_ids & q.gold) for r, q in answerable) / len(answerable) if answerable else None
-    mean = lambda xs: round(statistics.fmean(xs), 1) if xs else 0.0
+    def mean(xs):
+        return round(statistics.fmean(xs), 1) if xs else 0.0
     return {
         "questions": len(records), "errors": len(records) - len(ok),
         "hit_rate": round(hits / queries, 4) if queries else 0.0, "hits": hits, "queries": queries,
@@ -39,7 +40,8 @@ def summarise(records, questions, hits: float, queries: float, wall_s: float, ce
 
 
 def table(results: list[dict]) -> str:
-    header = f"{'mode':<16}{'k':>4}{'hit':>7}{'ceil':>7}{'prompt':>8}{'uncached':>9}{'ttft p50':>9}{'p95':>8}{'recall':>8}"
+    header = (f"{'mode':<16}{'k':>4}{'hit':>7}{'ceil':>7}{'prompt':>8}{'uncached':>9}{'ttft p50':>9}{'p95':>8}"
+              f"{'recall':>8}")
     rows = [header, "-" * len(header)]
     for r in results:
         recall = f"{r['recall']:.3f}" if r["recall"] is not None else "-"

@@ -29,7 +29,7 @@ class Embedder:
         self._model = None
         self._lock = threading.Lock()
 
-    def load(self) -> "Embedder":
+    def load(self) -> Embedder:
         _ = self.model
         return self
 

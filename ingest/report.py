@@ -93,9 +93,11 @@ class Progress:
 
     @contextmanager
     def _bar(self, total: int):
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress as Bar, TextColumn, TimeElapsedColumn
+        from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
+        from rich.progress import Progress as Bar
 
-        with Bar(TextColumn("[bold]ingest"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[chunks]} chunks"),
+        with Bar(TextColumn("[bold]ingest"), BarColumn(), MofNCompleteColumn(),
+                 TextColumn("{task.fields[chunks]} chunks"),
                  TimeElapsedColumn(), TextColumn("{task.fields[name]}"), transient=True) as bar:
             task = bar.add_task("files", total=total, chunks=0, name="")
             yield lambda name, chunks: bar.update(task, advance=1, chunks=chunks, name=name[-50:])

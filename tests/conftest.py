@@ -15,7 +15,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("ANONYMIZED_TELEMETRY", "False")
 
 
-from app.vllm_process import LocalVLLM, free_port, wait_for_http
+from app.vllm_process import LocalVLLM, free_port, wait_for_http  # noqa: E402  (after the env defaults above)
 
 
 @pytest.fixture(scope="session")

@@ -27,7 +27,7 @@ class AppServer:
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
-    def __enter__(self) -> "AppServer":
+    def __enter__(self) -> AppServer:
         self.thread.start()
         wait_for_http(self.url + "/healthz", 60)
         return self

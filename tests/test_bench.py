@@ -46,7 +46,8 @@ def test_harness_end_to_end_on_a_tiny_slice(tmp_path, vllm_url):
     assert modes["naive-matched"]["recall"] >= modes["prefixrag"]["recall"] or modes["naive-matched"]["k"] == 100
     # prefixrag's fixed system prompt alone is over one 128-token block: it must hit where naive cannot.
     assert modes["prefixrag"]["hit_rate"] > modes["naive"]["hit_rate"]
-    from bench.replay import load_rows, main as replay
+    from bench.replay import load_rows
+    from bench.replay import main as replay
 
     dumped = load_rows(tmp_path / "prompts" / "prefixrag.jsonl.gz")
     assert len([row for row in dumped if not row.get("warmup")]) == 10 and dumped[-1]["prompt_token_ids"]

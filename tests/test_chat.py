@@ -121,7 +121,7 @@ def test_stream_cut_by_vllm_going_away_ends_with_an_error(collections, vllm_url,
         started = time.monotonic()
         received = 0
         with pytest.raises(openai.APIError):
-            for chunk in stream:
+            for _ in stream:
                 received += 1
                 if received == 3:
                     threading.Thread(target=proxy.down).start()

@@ -107,7 +107,8 @@ def test_benchmarks_through_the_router_sum_the_replicas_and_replay_each_prompt_t
     replayed = json.loads((tmp_path / "r.json").read_text())["results"][0]
     assert replayed["errors"] == 0 and sum(r["requests"] for r in replayed["replicas"].values()) == 10
     # Each prompt went to the replica its key names, after its own pre-warm there: the same cache, the same hits.
-    assert [r["requests"] for r in replayed["replicas"].values()] == [r["requests"] for r in routed["replicas"].values()]
+    requests = [[r["requests"] for r in run["replicas"].values()] for run in (replayed, routed)]
+    assert requests[0] == requests[1]
     assert replayed["hit_rate"] == pytest.approx(routed["hit_rate"], abs=0.02)
 
 

@@ -191,5 +191,6 @@ def test_streaming_ask_sends_deltas_then_sources_and_usage(collections, vllm_url
     kinds = [line.split(": ", 1)[1] for line in events if line.startswith("event:")]
     assert kinds[0] == "delta" and kinds[-1] == "done" and "error" not in kinds
     done = json.loads(events[-1].split(": ", 1)[1])
-    deltas = "".join(json.loads(l.split(": ", 1)[1])["text"] for l, k in zip(events[1::2], kinds) if k == "delta")
+    deltas = "".join(json.loads(line.split(": ", 1)[1])["text"]
+                     for line, kind in zip(events[1::2], kinds) if kind == "delta")
     assert done["answer"] == deltas and done["sources"] and done["usage"]["prompt_tokens"] > 0

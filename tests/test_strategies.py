@@ -18,8 +18,10 @@ from tests.servers import AppServer, reset_prefix_cache
 
 # Two "articles" of several paragraphs each: records sharing a title are one parent document.
 ARTICLES = {
-    "Harbour": [f"Harbour fact {i}: the quay was extended in {1850 + i} to hold {10 + i} fishing boats." for i in range(8)],
-    "Glacier": [f"Glacier fact {i}: the ice retreated {20 + i} metres in {1990 + i} near the valley." for i in range(8)],
+    "Harbour": [f"Harbour fact {i}: the quay was extended in {1850 + i} to hold {10 + i} fishing boats."
+                for i in range(8)],
+    "Glacier": [f"Glacier fact {i}: the ice retreated {20 + i} metres in {1990 + i} near the valley."
+                for i in range(8)],
 }
 
 

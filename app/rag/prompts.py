@@ -63,7 +63,7 @@ class PromptTemplates:
     source: Path
 
     @classmethod
-    def load(cls, directory: Path, name: str = "rag") -> "PromptTemplates":
+    def load(cls, directory: Path, name: str = "rag") -> PromptTemplates:
         path = Path(directory) / f"{name}.toml"
         try:
             data = tomllib.loads(path.read_text(encoding="utf-8"))

@@ -180,8 +180,8 @@ class RAGService:
         contexts = new_context_per_turn(first, retrieved[1:])
         turns = list(chat.turns)
         while True:
-            def render(last: list[ContextChunk]) -> list[dict]:
-                return conversation_messages(self.builder, turns, contexts[:-1] + [last], chat.system)
+            def render(last: list[ContextChunk]) -> list[dict]:  # called within this iteration only
+                return conversation_messages(self.builder, turns, contexts[:-1] + [last], chat.system)  # noqa: B023
 
             try:
                 messages, kept, _ = await fit_to_budget(render, self.llm, contexts[-1], budget, self._chunk_chars)
@@ -206,7 +206,7 @@ class RAGService:
                                           lambda: self.retriever.retrieve(question, top_k, source_prefix))
 
     async def _generate(self, messages: list[dict], context: list[ContextChunk], max_tokens: int,
-                        temperature: float | None, clock: "Clock", strategy: str, affinity: str,
+                        temperature: float | None, clock: Clock, strategy: str, affinity: str,
                         **options) -> AsyncIterator[Delta | Answer]:
         request = self.llm.chat_request(
             messages, max_tokens=max_tokens, prefix_key=affinity,

@@ -14,7 +14,7 @@ import threading
 class _Node:
     __slots__ = ("children", "last_used", "parent", "key")
 
-    def __init__(self, parent: "_Node | None", key: str | None) -> None:
+    def __init__(self, parent: _Node | None, key: str | None) -> None:
         self.children: dict[str, _Node] = {}
         self.last_used = 0
         self.parent, self.key = parent, key

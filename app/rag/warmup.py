@@ -138,7 +138,7 @@ class Warmer:
 
         async def worker() -> None:
             for parent in queue:  # shared iterator: each unit is taken by one worker
-                if not await self._warm_unit(lambda: self._unit_chunks(first[parent])):
+                if not await self._warm_unit(lambda: self._unit_chunks(first[parent])):  # noqa: B023  (awaited now)
                     return
 
         await asyncio.gather(*(worker() for _ in range(self.settings.warm_concurrency)))

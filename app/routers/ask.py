@@ -12,8 +12,17 @@ from fastapi.responses import StreamingResponse
 from app.deps import Authorized, MetricsDep, ServiceDep
 from app.errors import ServiceError
 from app.llm import Delta
-from app.protocol import (INTERNAL_ERROR, STREAMED_200, AskRequest, AskResponse, AskUsage, ErrorResponse, Source,
-                          Timings, error_body)
+from app.protocol import (
+    INTERNAL_ERROR,
+    STREAMED_200,
+    AskRequest,
+    AskResponse,
+    AskUsage,
+    ErrorResponse,
+    Source,
+    Timings,
+    error_body,
+)
 from app.rag.service import Answer, Query
 from app.routers.streaming import started, unless_client_leaves
 

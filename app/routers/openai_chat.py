@@ -14,9 +14,24 @@ from fastapi.responses import StreamingResponse
 from app.deps import Authorized, ServiceDep, SettingsDep
 from app.errors import NotFound, ServiceError
 from app.llm import Delta
-from app.protocol import (INTERNAL_ERROR, STREAMED_200, AssistantMessage, ChatChoice, ChatCompletion,
-                          ChatCompletionChunk, ChatCompletionRequest, ChatSource, ChatUsage, ChunkChoice, ChunkDelta,
-                          ErrorResponse, ModelCard, ModelList, PromptTokensDetails, error_body)
+from app.protocol import (
+    INTERNAL_ERROR,
+    STREAMED_200,
+    AssistantMessage,
+    ChatChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatSource,
+    ChatUsage,
+    ChunkChoice,
+    ChunkDelta,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    PromptTokensDetails,
+    error_body,
+)
 from app.rag.conversation import Turn
 from app.rag.service import Answer, ChatQuery
 from app.routers.streaming import started, unless_client_leaves
@@ -82,7 +97,8 @@ def sources_text(answer: Answer) -> str:
 async def _sse(events: AsyncIterator[Delta | Answer], ident: str, created: int, model: str, include_usage: bool,
                append_sources: bool) -> AsyncIterator[str]:
     def chunk(**fields) -> str:
-        return f"data: {ChatCompletionChunk(id=ident, created=created, model=model, **fields).model_dump_json(exclude_none=True)}\n\n"
+        chunk = ChatCompletionChunk(id=ident, created=created, model=model, **fields)
+        return f"data: {chunk.model_dump_json(exclude_none=True)}\n\n"
 
     yield chunk(choices=[ChunkChoice(delta=ChunkDelta(role="assistant", content=""))])
     try:
