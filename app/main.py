@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
@@ -27,28 +26,14 @@ def create_app(settings: Settings | None = None, *, embedder=None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        from app.llm import LLMClient
-        from app.rag.context import PromptBuilder
-        from app.rag.prompts import PromptTemplates
-        from app.rag.retriever import Retriever
-        from app.rag.service import RAGService
-        from app.rag.upstream import Upstream
-        from ingest.embedder import Embedder, limit_threads
+        from app.services import build_services
 
-        templates = PromptTemplates.load(settings.service.prompts_dir)  # fail fast on a broken template
-        executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="retrieve", initializer=limit_threads,
-                                      initargs=(settings.embedding.query_threads,))
-        encoder = embedder or await asyncio.get_running_loop().run_in_executor(
-            executor, lambda: Embedder(settings.embedding).load())  # loaded now, not by the first question
-        llm = LLMClient(settings.vllm)
-        upstream = Upstream(llm, settings.vllm)
-        retriever = Retriever(encoder, settings.chroma, executor, settings.retrieval)
-        app.state.settings, app.state.upstream, app.state.metrics = settings, upstream, metrics
-        service = RAGService(settings.generation, retriever, llm, PromptBuilder(templates), upstream, metrics,
-                             settings.traffic)
+        services = await build_services(settings, embedder=embedder, metrics=metrics)
+        service = services.rag()
+        app.state.settings, app.state.upstream, app.state.metrics = settings, services.upstream, metrics
         app.state.service = service
         metrics.watch(service.readiness)
-        tasks = [asyncio.create_task(upstream.run_forever(), name="vllm-monitor"),
+        tasks = [asyncio.create_task(services.upstream.run_forever(), name="vllm-monitor"),
                  asyncio.create_task(service.warmer.run_forever(), name="warmer"),
                  asyncio.create_task(service.watch_collection(settings.chroma.poll_s), name="collection-watcher")]
         log.info("prefixrag serving collection %r from %s; vLLM at %s", settings.chroma.collection,
@@ -61,9 +46,7 @@ def create_app(settings: Settings | None = None, *, embedder=None) -> FastAPI:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
             service.planner.close()
-            retriever.close()
-            await llm.aclose()
-            executor.shutdown(wait=False, cancel_futures=True)
+            await services.aclose()
 
     app = FastAPI(title="prefixrag", version="0.1.0", lifespan=lifespan,
                   description="Retrieval-augmented answers from vLLM, with prompts built for prefix-cache hits.")

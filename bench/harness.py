@@ -6,17 +6,12 @@ import asyncio
 import gzip
 import json
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
 
-from app.llm import LLMClient
 from app.metrics import ServiceMetrics
-from app.rag.context import PromptBuilder
-from app.rag.prompts import PromptTemplates
-from app.rag.retriever import Retriever
 from app.rag.service import RAGService
-from app.rag.upstream import Upstream
+from app.services import build_services
 from app.settings import GenerationSettings, Settings, TrafficSettings
 from bench.ceiling import BlockCacheCeiling
 from bench.fleet import Fleet, difference
@@ -41,21 +36,16 @@ class Harness:
         started = time.perf_counter()
         report = run_ingest([dataset.passages], self.settings, self.embedder)
         print(f"ingest: {report.chunks_written} chunks written in {time.perf_counter() - started:.1f}s", flush=True)
-        self.executor = ThreadPoolExecutor(max_workers=2)
-        self.retriever = Retriever(self.embedder, self.settings.chroma, self.executor, self.settings.retrieval)
+        self.services = await build_services(self.settings, embedder=self.embedder)  # the app's own graph
+        self.retriever, self.llm, self.upstream = self.services.retriever, self.services.llm, self.services.upstream
         await asyncio.to_thread(self.retriever.lexical_index, True)  # ready before any timed question
-        self.llm = LLMClient(self.settings.vllm)
-        self.upstream = Upstream(self.llm, self.settings.vllm)
         await self.upstream.refresh()
         self.fleet = await Fleet.discover(vllm_url, getattr(args, "replica_metrics", None))
-        self.templates = PromptTemplates.load(self.settings.service.prompts_dir)
         return self
 
     async def close(self) -> None:
-        await self.llm.aclose()
+        await self.services.aclose()
         await self.fleet.aclose()
-        self.retriever.close()
-        self.executor.shutdown()
 
     def service(self, mode: str) -> RAGService:
         """``mode`` is a strategy name, or ``prefixrag`` (the service default), optionally with generation
@@ -67,8 +57,7 @@ class Harness:
         generation = GenerationSettings.model_validate(values)
         # The benchmark measures the pipeline at its own concurrency: admission control never refuses it.
         limits = TrafficSettings(max_in_flight=self.args.concurrency, max_queued=self.args.concurrency)
-        return RAGService(generation, self.retriever, self.llm, PromptBuilder(self.templates), self.upstream,
-                          ServiceMetrics(), limits)
+        return self.services.rag(generation, limits, ServiceMetrics())
 
     async def run_mode(self, mode: str, stream, earlier: list[dict]) -> dict:
         await self.fleet.reset()  # no mode profits from another's cache (each replica's, behind a router)

@@ -84,33 +84,21 @@ def warm_document_app(articles_db, vllm_url, embedder):
 @pytest.mark.vllm
 @pytest.mark.parametrize("strategy", ["canonical", "document", "reuse", "corpus"])
 def test_same_selection_gives_the_same_prompt_and_the_budget_holds(articles_db, vllm_url, embedder, strategy):
-    from concurrent.futures import ThreadPoolExecutor
-
-    from app.llm import LLMClient
-    from app.rag.budget import TokenEstimator
-    from app.rag.context import PromptBuilder
-    from app.rag.planner import ContextPlanner
-    from app.rag.prompts import PromptTemplates
-    from app.rag.retriever import Retriever
-    from app.rag.traffic import LiveTraffic
-    from app.rag.upstream import Upstream
-    from app.rag.warmup import Warmer
-    from tests.conftest import ROOT
+    from app.services import build_services
 
     settings = app_settings(articles_db, vllm_url, collection="articles", strategy=strategy, hotness_dir=None)
 
     async def prompts():
-        llm = LLMClient(settings.vllm)
-        upstream = Upstream(llm, settings.vllm)
-        await upstream.refresh()
-        retriever = Retriever(embedder, settings.chroma, ThreadPoolExecutor(1))
-        builder = PromptBuilder(PromptTemplates.load(ROOT / "prompts"))
-        planner = ContextPlanner(settings.generation, retriever, builder, llm, "articles", TokenEstimator())
-        await Warmer(planner, upstream, LiveTraffic(1, 0)).warm(upstream.info)
-        ranked = await retriever.retrieve("When was the quay extended?", 3)
-        streams = [await llm.tokenize(builder.messages(await planner.arrange(ranked, 4000), "q")) for _ in range(2)]
+        services = await build_services(settings, embedder=embedder)  # the graph the app runs
+        await services.upstream.refresh()
+        service = services.rag()
+        await service.warmer.warm(services.upstream.info)
+        ranked = await services.retriever.retrieve("When was the quay extended?", 3)
+        planner, builder = service.planner, service.builder
+        streams = [await services.llm.tokenize(builder.messages(await planner.arrange(ranked, 4000), "q"))
+                   for _ in range(2)]
         planner.close()
-        await llm.aclose()
+        await services.aclose()
         return streams
 
     first, second = asyncio.run(prompts())
