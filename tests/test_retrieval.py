@@ -49,3 +49,20 @@ def test_a_source_filter_applies_to_both_rankings(retriever):
                                         source_prefix="architecture", mode=mode)
         assert found and all(c.doc_id.startswith("architecture") for c in found), mode
         assert not retriever.retrieve_sync(IDENTIFIER, 5, source_prefix="architecture", mode="lexical")
+
+
+def test_a_chunk_deleted_after_the_index_was_built_is_left_out_not_an_error(tmp_path, embedder):
+    from ingest.pipeline import run_ingest
+    from tests.conftest import ROOT
+    from tests.corpora import collection_of
+
+    settings = app_settings(tmp_path / "chroma", "http://unused/v1", collection="docs")
+    run_ingest([ROOT / "docs"], settings, embedder)
+    retriever = Retriever(embedder, settings.chroma, ThreadPoolExecutor(1), settings.retrieval)
+    target = next(c for c in retriever.retrieve_sync(IDENTIFIER, 3, mode="lexical") if IDENTIFIER in c.text)
+    retriever.lexical_index(wait=True)  # the index now holds the target
+    collection_of(settings, embedder).delete(ids=[target.id])  # behind the service's back, no new stamp yet
+    found = retriever.retrieve_sync(IDENTIFIER, 5, mode="hybrid")
+    assert found and target.id not in {c.id for c in found}
+    assert [c.rank for c in found] == list(range(len(found)))
+    retriever.close()

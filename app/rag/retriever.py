@@ -101,7 +101,8 @@ class Retriever:
         known = {c.id: c for c in dense}
         missing = self._chunks([i for i, _ in fused if i not in known], [0.0] * len(fused))
         known |= {c.id: c for c in missing}
-        return [replace(known[i], score=round(score, 4), rank=rank) for rank, (i, score) in enumerate(fused)]
+        kept = [(i, score) for i, score in fused if i in known]  # a chunk deleted since the index was built: gone
+        return [replace(known[i], score=round(score, 4), rank=rank) for rank, (i, score) in enumerate(kept)]
 
     def _dense(self, question: str, k: int, where: dict | None) -> list[ContextChunk]:
         vector = self.embedder.embed([question])[0]
