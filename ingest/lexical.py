@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import threading
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,9 +21,10 @@ from urllib.parse import urlparse
 import numpy as np
 
 from app.settings import ChromaSettings
-from ingest.store import GENERATION_KEY, PAGE
+from ingest.store import GENERATION_KEY, pages
 
 META = "prefixrag-lexical.json"
+_per_thread = threading.local()
 
 
 def index_dir(cfg: ChromaSettings) -> Path:
@@ -35,10 +37,18 @@ def index_dir(cfg: ChromaSettings) -> Path:
 
 def tokenize(texts: list[str]) -> list[list[str]]:
     import bm25s
+
+    return bm25s.tokenize(texts, stopwords="en", stemmer=_stemmer(), return_ids=False, show_progress=False)
+
+
+def _stemmer():
+    """One per thread (PyStemmer's stemmers are not thread-safe), built once: every question is tokenized on the
+    request path."""
     import Stemmer
 
-    return bm25s.tokenize(texts, stopwords="en", stemmer=Stemmer.Stemmer("english"), return_ids=False,
-                          show_progress=False)
+    if not hasattr(_per_thread, "stemmer"):
+        _per_thread.stemmer = Stemmer.Stemmer("english")
+    return _per_thread.stemmer
 
 
 def stamp_of(collection) -> tuple[str, int]:
@@ -72,15 +82,11 @@ def build(collection) -> LexicalIndex:
     import bm25s
 
     generation, _ = stamp_of(collection)
-    ids, texts, sources, offset = [], [], [], 0
-    while True:
-        page = collection.get(include=["documents", "metadatas"], limit=PAGE, offset=offset)
+    ids, texts, sources = [], [], []
+    for page in pages(collection, ["documents", "metadatas"]):
         ids += page["ids"]
         texts += page["documents"]
         sources += [meta["source"] for meta in page["metadatas"]]
-        if len(page["ids"]) < PAGE:
-            break
-        offset += PAGE
     bm25 = bm25s.BM25()
     if texts:
         bm25.index(tokenize(texts), show_progress=False)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import threading
 import uuid
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -125,12 +126,21 @@ class StoredDocument:
         return bool(self.doc_hash) and len(self.ids) == self.n_chunks
 
 
+def pages(collection, include: list[str]) -> Iterator[dict]:
+    """Every row of the collection, ``PAGE`` rows per read (memory stays flat on large collections)."""
+    offset = 0
+    while True:
+        page = collection.get(include=include, limit=PAGE, offset=offset)
+        yield page
+        if len(page["ids"]) < PAGE:
+            return
+        offset += PAGE
+
+
 def stored_documents(collection) -> dict[str, StoredDocument]:
     """What the collection holds, per document id: its hash, expected chunk count and present chunk ids."""
     documents: dict[str, StoredDocument] = {}
-    offset = 0
-    while True:
-        page = collection.get(include=["metadatas"], limit=PAGE, offset=offset)
+    for page in pages(collection, ["metadatas"]):
         for chunk_id, meta in zip(page["ids"], page["metadatas"]):
             entry = documents.setdefault(meta["doc_id"], StoredDocument(
                 meta["doc_hash"], meta["n_chunks"], meta["source"], [], meta.get("file_hash", "")))
@@ -139,9 +149,7 @@ def stored_documents(collection) -> dict[str, StoredDocument]:
             if meta.get("file_hash", "") != entry.file_hash:
                 entry.file_hash = ""
             entry.ids.append(chunk_id)
-        if len(page["ids"]) < PAGE:
-            return documents
-        offset += PAGE
+    return documents
 
 
 @contextmanager
