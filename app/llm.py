@@ -122,12 +122,7 @@ class LLMClient:
         when the URL is a vLLM server itself (it has no such route)."""
         with upstream_errors():
             response = await self.http.get("/workers")
-        if response.status_code != 200:
-            return None
-        try:
-            return [Replica(w["url"], bool(w["is_healthy"])) for w in response.json()["workers"]]
-        except (ValueError, KeyError, TypeError):
-            return None
+        return replicas_of(response) if response.status_code == 200 else None
 
     async def reset_prefix_cache(self) -> None:
         """Needs vLLM started with VLLM_SERVER_DEV_MODE=1 (benchmarks only)."""
@@ -191,6 +186,14 @@ def metric_total(metrics_text: str, name: str) -> float:
         if line.startswith(name + "{") or line.startswith(name + " "):
             total += float(line.rsplit(" ", 1)[1])
     return total
+
+
+def replicas_of(response: httpx.Response) -> list[Replica] | None:
+    """vllm-router's ``GET /workers`` body as replicas; None where the body is not one."""
+    try:
+        return [Replica(w["url"], bool(w["is_healthy"])) for w in response.json()["workers"]]
+    except (ValueError, KeyError, TypeError):
+        return None
 
 
 def special_tokens_of(info: dict) -> list[str]:

@@ -2,12 +2,24 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
 import subprocess
 from datetime import UTC, datetime
 from pathlib import Path
+
+
+def add_stream_args(parser: argparse.ArgumentParser, *, questions: int, concurrency: int) -> None:
+    """The flags of a benchmark that replays a seeded question stream through the service (prefix_cache,
+    scale_out): the dataset, how many questions, how many in flight, k, the seed, the answer length."""
+    parser.add_argument("--data", type=Path, required=True, help="dataset folder (SQuAD/TAT-QA or BEIR layout)")
+    parser.add_argument("--questions", type=int, default=questions, help="questions drawn (seeded shuffle)")
+    parser.add_argument("--concurrency", type=int, default=concurrency, help="requests in flight")
+    parser.add_argument("--top-k", type=int, default=5, help="k for naive and prefixrag retrieval")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-tokens", type=int, default=16, help="answer tokens per request")
 
 
 def environment() -> dict:

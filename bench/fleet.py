@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import httpx
 
-from app.llm import metric_total
+from app.llm import metric_total, replicas_of
 
 COUNTERS = {"hits": "vllm:prefix_cache_hits_total", "queries": "vllm:prefix_cache_queries_total",
             "requests": "vllm:request_success_total", "prompt_tokens": "vllm:prompt_tokens_total"}
@@ -25,8 +25,9 @@ class Fleet:
             return cls(given, routed=True)
         async with httpx.AsyncClient(timeout=30) as http:
             response = await http.get(f"{root}/workers")  # vllm-router's; a vLLM server answers 404
-        if response.status_code == 200:
-            return cls([w["url"] for w in response.json()["workers"]], routed=True)
+        replicas = replicas_of(response) if response.status_code == 200 else None
+        if replicas is not None:
+            return cls([r.url for r in replicas], routed=True)
         return cls([root], routed=False)
 
     async def aclose(self) -> None:

@@ -15,7 +15,7 @@ import json
 import tempfile
 from pathlib import Path
 
-from bench.common import environment, write_json
+from bench.common import add_stream_args, environment, write_json
 from bench.datasets import load_dataset, sample
 
 DEFAULT_MODES = "naive,prefixrag,naive-matched"
@@ -24,12 +24,7 @@ DEFAULT_MODES = "naive,prefixrag,naive-matched"
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="python -m bench.prefix_cache", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--data", type=Path, required=True, help="dataset folder (SQuAD/TAT-QA or BEIR layout)")
-    p.add_argument("--questions", type=int, default=100, help="questions drawn (seeded shuffle)")
-    p.add_argument("--concurrency", type=int, default=1, help="requests in flight")
-    p.add_argument("--top-k", type=int, default=5, help="k for naive and prefixrag retrieval")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--max-tokens", type=int, default=16, help="answer tokens per request")
+    add_stream_args(p, questions=100, concurrency=1)
     where = p.add_mutually_exclusive_group(required=True)
     where.add_argument("--vllm-url", help="a running vLLM server (with VLLM_SERVER_DEV_MODE=1)")
     where.add_argument("--start-vllm", action="store_true", help="start the CPU test model server here")

@@ -19,22 +19,17 @@ from pathlib import Path
 
 import httpx
 
-from bench.common import environment, write_json
+from bench.common import add_stream_args, environment, write_json
 from bench.datasets import load_dataset, sample
 
 
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="python -m bench.scale_out", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--data", type=Path, required=True, help="dataset folder (SQuAD/TAT-QA or BEIR layout)")
-    p.add_argument("--questions", type=int, default=300, help="questions drawn (seeded shuffle)")
-    p.add_argument("--concurrency", type=int, default=4, help="requests in flight")
+    add_stream_args(p, questions=300, concurrency=4)
     p.add_argument("--replicas", type=int, default=2, help="vLLM replicas behind the router")
     p.add_argument("--kill-after", type=int, help="failover: SIGKILL the last replica after this many answers "
                    "(default: half the questions)")
-    p.add_argument("--top-k", type=int, default=5)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--max-tokens", type=int, default=16, help="answer tokens per request")
     p.add_argument("--max-model-len", type=int, default=32768, help="each replica's window")
     p.add_argument("--chroma-path", type=Path, help="keep the bench collection here (default: a temp dir)")
     p.add_argument("--out", type=Path, required=True, help="JSON result; a PNG plot is written beside it")

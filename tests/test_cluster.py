@@ -115,7 +115,8 @@ def test_benchmarks_through_the_router_sum_the_replicas_and_replay_each_prompt_t
 def test_a_killed_replica_leaves_ask_answering_and_when_back_it_is_re_warmed(cluster, server):
     before = served(cluster)
     ask(server, "Why do tides rise twice a day?")
-    home, other = replica_of(cluster, before), 1 - replica_of(cluster, before)
+    home = replica_of(cluster, before)
+    other = 1 - home
     cluster.kill_replica(home)
     for _ in range(3):  # the router retries on the other replica at once
         assert ask(server, "Why do tides rise twice a day?")["answer"] is not None
