@@ -54,6 +54,6 @@ async def build_services(settings: Settings, *, embedder=None, metrics: ServiceM
     encoder = embedder or await asyncio.get_running_loop().run_in_executor(
         executor, lambda: Embedder(settings.embedding).load())
     llm = LLMClient(settings.vllm)
-    retriever = Retriever(encoder, settings.chroma, executor, settings.retrieval)
+    retriever = Retriever(encoder, settings.chroma, executor, settings.retrieval, settings.pages)
     return Services(settings, executor, encoder, llm, Upstream(llm, settings.vllm), retriever, templates,
                     metrics or ServiceMetrics())

@@ -23,8 +23,8 @@ class ChromaSettings(BaseModel):
     poll_s: float = Field(5.0, gt=0, description="How often the service checks whether an ingest changed the "
                           "collection (then it reloads it, drops cached units and re-warms).")
     lexical_dir: Path | None = Field(
-        None, description="Where ingest keeps the lexical (BM25) index (default: beside the on-disk Chroma; "
-        "data/lexical/<server> for a Chroma server).")
+        None, description="Where ingest keeps the indexes it derives from the collection, BM25 and pages "
+        "(default: beside the on-disk Chroma; data/lexical/<server> for a Chroma server).")
 
     @field_validator("url")
     @classmethod
@@ -52,6 +52,13 @@ class RetrievalSettings(BaseModel):
     candidates: int = Field(
         20, ge=1, le=200, description="hybrid: how deep each ranking is read before fusion (at least top_k).")
     rrf_k: int = Field(60, ge=1, description="hybrid: reciprocal-rank-fusion constant (score = sum 1/(rrf_k+rank)).")
+
+
+class PageSettings(BaseModel):
+    tokens: int = Field(
+        4096, ge=0, description="Pages: documents smaller than half this many tokens (abstracts, FAQ entries, short "
+        "files) are grouped by meaning into pages of about this size, and a page is the cached unit the document "
+        "strategy puts first in a prompt (0: off; see README: pages). Ingest builds them; change it, re-ingest.")
 
 
 class ChunkSettings(BaseModel):
@@ -144,9 +151,11 @@ class GenerationSettings(BaseModel):
         "holds this share of the hits, else the plain top-k is (hits after a long unit would be uncached text).")
     max_unit_tokens: int = Field(12288, ge=128,
                                  description="document strategy: a bigger parent is cut into aligned windows.")
-    warm_kv_share: float = Field(0.5, gt=0, le=1, description="Share of vLLM's KV cache that unit pre-warm may fill.")
+    warm_kv_share: float = Field(
+        0.8, gt=0, le=1, description="Share of vLLM's KV cache that unit pre-warm may fill (what it fills stays "
+        "evictable: live requests take the least recently used blocks).")
     warm_max_tokens: int = Field(
-        1 << 20, ge=0, description="Absolute cap on prompt tokens one pre-warm sends (besides the KV share): "
+        1 << 21, ge=0, description="Absolute cap on prompt tokens one pre-warm sends (besides the KV share): "
         "bounds its compute on a slow machine whatever the cache size (0: warm only the system prompt).")
     warm_max_s: float = Field(600.0, gt=0, description="Pre-warm stops after this many seconds (time spent "
                               "paused for user traffic included).")
@@ -195,6 +204,7 @@ class Settings(BaseSettings):
     embedding: EmbeddingSettings = Field(default_factory=EmbeddingSettings, description="Encoder.")
     chunking: ChunkSettings = Field(default_factory=ChunkSettings, description="Chunker.")
     retrieval: RetrievalSettings = Field(default_factory=RetrievalSettings, description="Dense, lexical or hybrid.")
+    pages: PageSettings = Field(default_factory=PageSettings, description="Small documents grouped into pages.")
     ingest: IngestSettings = Field(default_factory=IngestSettings, description="Ingest pipeline.")
     vllm: VLLMSettings = Field(default_factory=VLLMSettings, description="Upstream vLLM server.")
     vllm_server: VLLMServerSettings = Field(default_factory=VLLMServerSettings, description="vLLM launcher.")

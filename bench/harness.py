@@ -38,7 +38,7 @@ class Harness:
         print(f"ingest: {report.chunks_written} chunks written in {time.perf_counter() - started:.1f}s", flush=True)
         self.services = await build_services(self.settings, embedder=self.embedder)  # the app's own graph
         self.retriever, self.llm, self.upstream = self.services.retriever, self.services.llm, self.services.upstream
-        await asyncio.to_thread(self.retriever.lexical_index, True)  # ready before any timed question
+        await self.retriever.indexes_ready()  # BM25 and pages ready before any timed question
         await self.upstream.refresh()
         self.fleet = await Fleet.discover(vllm_url, getattr(args, "replica_metrics", None))
         return self

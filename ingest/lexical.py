@@ -16,23 +16,18 @@ import threading
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import urlparse
 
 import numpy as np
 
 from app.settings import ChromaSettings
-from ingest.store import GENERATION_KEY, pages
+from ingest.store import GENERATION_KEY, all_rows, derived_dir
 
 META = "prefixrag-lexical.json"
 _per_thread = threading.local()
 
 
 def index_dir(cfg: ChromaSettings) -> Path:
-    """Beside an on-disk Chroma; for a Chroma server, under ``lexical_dir`` per server and collection."""
-    if cfg.lexical_dir is not None or cfg.url:
-        server = urlparse(cfg.url).netloc.replace(":", "_") if cfg.url else "local"
-        return Path(cfg.lexical_dir or "data/lexical") / server / cfg.collection
-    return Path(cfg.path) / "prefixrag-lexical" / cfg.collection
+    return derived_dir(cfg, "lexical")
 
 
 def tokenize(texts: list[str]) -> list[list[str]]:
@@ -83,7 +78,7 @@ def build(collection) -> LexicalIndex:
 
     generation, _ = stamp_of(collection)
     ids, texts, sources = [], [], []
-    for page in pages(collection, ["documents", "metadatas"]):
+    for page in all_rows(collection, ["documents", "metadatas"]):
         ids += page["ids"]
         texts += page["documents"]
         sources += [meta["source"] for meta in page["metadatas"]]

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from app.settings import Settings
-from ingest import lexical
+from ingest import lexical, pages
 from ingest.chunking import Chunk, Chunker
 from ingest.documents import LoadError, SourceDocument, sha256
 from ingest.loaders import is_supported, load_file
@@ -157,6 +157,7 @@ def run_ingest(roots: list[Path], settings: Settings, embedder, *, prune: bool =
                 mark_changed(collection)
         if collection is not None and not dry_run:  # rebuilt only when the collection's stamp moved
             lexical.current(collection, settings.chroma, write=True)
+            pages.current(collection, settings.chroma, settings.pages, write=True)
     report.seconds = round(time.perf_counter() - started, 3)
     return report
 

@@ -90,6 +90,16 @@ def open_collection(cfg: ChromaSettings, embedder, create: bool):
     return collection
 
 
+def derived_dir(cfg: ChromaSettings, kind: str) -> Path:
+    """Where ingest keeps an index derived from the collection (``lexical``, ``pages``): beside an on-disk Chroma;
+    for a Chroma server, under ``lexical_dir`` per server (the lexical index keeps its first layout)."""
+    name = cfg.collection if kind == "lexical" else f"{cfg.collection}.{kind}"
+    if cfg.lexical_dir is not None or cfg.url:
+        server = urlparse(cfg.url).netloc.replace(":", "_") if cfg.url else "local"
+        return Path(cfg.lexical_dir or "data/lexical") / server / name
+    return Path(cfg.path) / f"prefixrag-{kind}" / cfg.collection
+
+
 def mark_changed(collection) -> None:
     """Renew the collection's generation stamp (under the write lock): services drop what they cached of it."""
     collection.modify(metadata={**(collection.metadata or {}), GENERATION_KEY: uuid.uuid4().hex})
@@ -126,7 +136,7 @@ class StoredDocument:
         return bool(self.doc_hash) and len(self.ids) == self.n_chunks
 
 
-def pages(collection, include: list[str]) -> Iterator[dict]:
+def all_rows(collection, include: list[str]) -> Iterator[dict]:
     """Every row of the collection, ``PAGE`` rows per read (memory stays flat on large collections)."""
     offset = 0
     while True:
@@ -140,7 +150,7 @@ def pages(collection, include: list[str]) -> Iterator[dict]:
 def stored_documents(collection) -> dict[str, StoredDocument]:
     """What the collection holds, per document id: its hash, expected chunk count and present chunk ids."""
     documents: dict[str, StoredDocument] = {}
-    for page in pages(collection, ["metadatas"]):
+    for page in all_rows(collection, ["metadatas"]):
         for chunk_id, meta in zip(page["ids"], page["metadatas"]):
             entry = documents.setdefault(meta["doc_id"], StoredDocument(
                 meta["doc_hash"], meta["n_chunks"], meta["source"], [], meta.get("file_hash", "")))

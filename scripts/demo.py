@@ -91,7 +91,8 @@ def main() -> int:
             response.raise_for_status()
             show(number, question, response.json())
         print("\n[demo] cached_tokens is what vLLM served from its prefix cache: the stable prefix (system prompt "
-              "and, with the default 'auto' strategy on this small corpus, the whole corpus) was pre-warmed at start-up.")
+              "and, with the default 'auto' strategy on this small corpus, the whole corpus) was pre-warmed at "
+              "start-up.")
         if args.test_model:
             print("[demo] note: --test-model has random weights: its answer text is noise.")
         return 0

@@ -13,5 +13,5 @@ if ((${#missing[@]})); then
   (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null) \
     || echo "[test] ${missing[*]} could not be installed; the tests that need them will fail" >&2
 fi
-.venv/bin/ruff check app ingest bench tests  # a lint finding fails the run before the slow tests start
+.venv/bin/ruff check app ingest bench tests scripts  # a lint finding fails the run before the slow tests start
 exec .venv/bin/python -m pytest -q -ra "$@"

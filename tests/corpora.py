@@ -35,8 +35,9 @@ def floor_block(tokens: int, block: int) -> int:
 
 
 def write_service_collections(base, embedder):
-    """facts (four one-chunk documents), project-docs (docs/) and long (24 documents of 250 words), ingested."""
-    from app.settings import Settings
+    """facts (four one-chunk documents), project-docs (docs/) and long (24 documents of 250 words, not paged),
+    ingested."""
+    from app.settings import PageSettings, Settings
 
     facts = base / "facts"
     facts.mkdir()
@@ -52,6 +53,7 @@ def write_service_collections(base, embedder):
         (long / f"log-{number:02d}.md").write_text(" ".join(rng.choice(words) for _ in range(250)) + "\n")
     for name, root in (("facts", facts), ("project-docs", ROOT / "docs"), ("long", long)):
         settings.chroma.collection = name
+        settings.pages = PageSettings(tokens=0) if name == "long" else PageSettings()  # long: 24 units, no pages
         run_ingest([root], settings, embedder)
     return base / "chroma"
 

@@ -35,6 +35,7 @@ def articles_db(tmp_path_factory, embedder):
     (base / "articles.jsonl").write_text("\n".join(map(json.dumps, records)) + "\n")
     settings = Settings(_env_file=None)
     settings.chroma.path, settings.chroma.collection = base / "chroma", "articles"
+    settings.pages.tokens = 0  # these tests are about whole articles as units; pages have tests/test_pages.py
     run_ingest([base / "articles.jsonl"], settings, embedder)
     return base / "chroma"
 

@@ -14,8 +14,8 @@ from typing import TypeVar
 from app.errors import StoreUnavailable
 from app.rag.context import ContextChunk
 from app.rag.traffic import BACKGROUND
-from app.settings import ChromaSettings, RetrievalSettings
-from ingest import lexical
+from app.settings import ChromaSettings, PageSettings, RetrievalSettings
+from ingest import lexical, pages
 from ingest.store import StoreError, forget_clients, open_collection, read_generation
 
 T = TypeVar("T")
@@ -25,14 +25,15 @@ PAGE = 500  # rows per read: one read holds the GIL for tens of ms at most, then
 
 class Retriever:
     def __init__(self, embedder, chroma: ChromaSettings, executor: ThreadPoolExecutor,
-                 retrieval: RetrievalSettings | None = None) -> None:
+                 retrieval: RetrievalSettings | None = None, paging: PageSettings | None = None) -> None:
         self.embedder, self.chroma, self.executor = embedder, chroma, executor
-        self.retrieval = retrieval or RetrievalSettings()
+        self.retrieval, self.paging = retrieval or RetrievalSettings(), paging or PageSettings()
         # Background reads (pre-warm scanning the collection) queue here, not ahead of a user's retrieval.
         self.background_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="background-read")
         self._collection = None
         self._sources: tuple[float, list[str]] = (0.0, [])
-        self._lexical: Future | None = None  # the BM25 index of the collection as opened, loaded or being built
+        # Indexes derived from the collection as opened (BM25, pages), each loaded or being built.
+        self._derived: dict[str, Future] = {}
 
     def close(self) -> None:
         self.background_executor.shutdown(wait=False, cancel_futures=True)
@@ -66,7 +67,7 @@ class Retriever:
         reload from disk to see another process's writes)."""
         if not self.chroma.url:
             forget_clients()
-        self._collection, self._sources, self._lexical = None, (0.0, []), None
+        self._collection, self._sources, self._derived = None, (0.0, []), {}
 
     async def count(self) -> int:
         """Chunks in the collection (cheap: no documents are read)."""
@@ -125,16 +126,31 @@ class Retriever:
     def lexical_index(self, wait: bool = False) -> lexical.LexicalIndex | None:
         """The BM25 index of the collection as opened: loaded from ingest's files when their stamp matches,
         else built from Chroma's rows, on the background thread. None while that runs (unless ``wait``)."""
-        if self._lexical is None:
-            collection = self.collection
-            self._lexical = self.background_executor.submit(lexical.current, collection, self.chroma, write=False)
-        if not (wait or self._lexical.done()):
+        return self._index("lexical", lambda c: lexical.current(c, self.chroma, write=False), wait)
+
+    def page_index(self, wait: bool = False) -> pages.PageIndex | None:
+        """The collection's pages (``ingest.pages``), loaded or rebuilt like the BM25 index."""
+        return self._index("pages", lambda c: pages.current(c, self.chroma, self.paging, write=False), wait)
+
+    async def indexes_ready(self) -> None:
+        """Wait (without blocking the loop) until both derived indexes are loaded or built."""
+        for kind, build in (("lexical", self.lexical_index), ("pages", self.page_index)):
+            if build() is None:
+                with contextlib.suppress(Exception):  # a failed build raises below, as StoreUnavailable
+                    await asyncio.wrap_future(self._derived[kind])
+                build(True)
+
+    def _index(self, kind: str, build: Callable, wait: bool):
+        if kind not in self._derived:
+            self._derived[kind] = self.background_executor.submit(build, self.collection)
+        future = self._derived[kind]
+        if not (wait or future.done()):
             return None
         try:
-            return self._lexical.result()
+            return future.result()
         except Exception as exc:  # an unreadable collection: the next request tries again
-            self._lexical = None
-            raise StoreUnavailable(f"the lexical index could not be built: {exc}") from exc
+            self._derived.pop(kind, None)
+            raise StoreUnavailable(f"the {kind} index could not be built: {exc}") from exc
 
     async def chunks_where(self, where: dict | None, texts: bool = True) -> list[ContextChunk]:
         """All chunks matching a metadata filter (a parent document, or the whole collection), off the loop, a

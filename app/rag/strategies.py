@@ -4,7 +4,8 @@ a prefix vLLM already holds. Each is a setting (RAG_GENERATION__STRATEGY) and a 
 - canonical: the top-k chunks sorted by stable id. Identical sets share a prefix; in a shuffled stream rare.
 - document: the top hit's stable unit (its whole parent document, or an aligned window of it) when it holds most
   hits, else the plain top-k; small units come several to a prompt, hot units first. A unit is shared by every
-  question about it.
+  question about it. When the top hit's document was grouped into a page (small documents, ``ingest.pages``),
+  the page holding most hits comes first, then the hits outside it.
 - reuse: the top-k set ordered along the longest path already served (bounded trie), the rest canonically.
 - corpus: the whole collection, parent document by parent document, as one fixed prefix, when it fits the window.
 - auto: corpus when it fits the window and max_unit_tokens, else document.
@@ -52,6 +53,8 @@ class Document(Canonical):
         if not ranked:
             return []
         hits = {c.id: c for c in ranked}
+        if self.units.page_of(ranked[0]) is not None:
+            return await self._paged(ranked, hits, stable)
         key, chunks = await self.units.unit_for(ranked[0])
         units, inside = {key: as_unit(chunks, ranked[0].rank, hits)}, {c.id for c in chunks}
         room = estimate_tokens(ranked) - estimate_tokens(chunks)
@@ -70,6 +73,21 @@ class Document(Canonical):
             else:
                 extras.append(hit)
         return self._in_order(units, [c for c in extras if c.id not in inside], stable)
+
+    async def _paged(self, ranked: list[ContextChunk], hits: dict[str, ContextChunk],
+                     stable: bool) -> list[ContextChunk]:
+        """The page holding most hits (ties: the better-ranked hit) first, whether or not it holds a quorum: it is
+        a cached prefix, so it costs little, and the hits outside it follow (fewer the more it holds). Only one
+        unit can lead a prompt, so no other page is added."""
+        held: dict[str, list[ContextChunk]] = {}
+        for hit in ranked:
+            if (page := self.units.page_of(hit)) is not None:
+                held.setdefault(page, []).append(hit)
+        best = min(held, key=lambda page: (-len(held[page]), held[page][0].rank))
+        key, chunks = await self.units.unit_for(held[best][0])
+        inside = {c.id for c in chunks}
+        unit = as_unit(chunks, held[best][0].rank, hits)
+        return self._in_order({key: unit}, [c for c in ranked if c.id not in inside], stable)
 
     def _in_order(self, units: dict[str, list[ContextChunk]], extras: list[ContextChunk],
                   stable: bool) -> list[ContextChunk]:

@@ -1,6 +1,7 @@
 """Stable context units: a retrieved chunk's whole parent document (a file, or the jsonl records sharing a
-parent), or, when that is too big, a fixed window of neighbouring chunks aligned to multiples of the window
-size, so the same unit always renders the same bytes. Plus how hot each unit is."""
+parent), the page its parent was grouped into when the parent is small (``ingest.pages``), or, when a parent is
+too big, a fixed window of neighbouring chunks aligned to multiples of the window size, so the same unit always
+renders the same bytes. Plus how hot each unit is."""
 
 from __future__ import annotations
 
@@ -12,9 +13,9 @@ from pathlib import Path
 
 from app.rag.context import ContextChunk
 from app.rag.lru import AsyncLRU
+from ingest.pages import CHARS_PER_TOKEN
 
 log = logging.getLogger("prefixrag.units")
-CHARS_PER_TOKEN = 4.0  # rough chars per LLM token, only to decide when a unit must be windowed
 
 
 def natural_order(chunks: list[ContextChunk]) -> list[ContextChunk]:
@@ -28,7 +29,7 @@ def estimate_tokens(chunks: list[ContextChunk]) -> int:
 class UnitIndex:
     """Fetches parent documents from Chroma (LRU-cached) and cuts them into units that fit."""
 
-    def __init__(self, retriever, max_unit_tokens: int, cache_size: int = 256) -> None:
+    def __init__(self, retriever, max_unit_tokens: int, cache_size: int = 1024) -> None:
         self.retriever, self.max_unit_tokens = retriever, max_unit_tokens
         self._parents: AsyncLRU[list[ContextChunk]] = AsyncLRU(cache_size)
 
@@ -41,10 +42,26 @@ class UnitIndex:
     async def _fetch(self, parent_id: str) -> list[ContextChunk]:
         return natural_order(await self.retriever.chunks_where({"parent_id": parent_id}))
 
+    def page_of(self, chunk: ContextChunk) -> str | None:
+        """The page holding this chunk's parent (None: not paged, or the pages are still being loaded)."""
+        index = self.retriever.page_index()
+        return index.page_of(chunk.parent) if index is not None else None
+
     async def unit_for(self, hit: ContextChunk) -> tuple[str, list[ContextChunk]]:
-        """(unit key, its chunks in natural order, tagged with the key) for a retrieved chunk."""
+        """(unit key, its chunks in natural order, tagged with the key) for a retrieved chunk. A page's chunks
+        are tagged with their own parent: the page renders as its documents, one header each."""
+        if (page := self.page_of(hit)) is not None:
+            # Cached beside the parents under a key no parent id has.
+            return page, await self._parents.get(f"\0{page}", lambda: self._fetch_page(page))
         key, chunks = await self._locate(hit)
         return key, [replace(c, unit=key) for c in chunks]
+
+    async def _fetch_page(self, page: str) -> list[ContextChunk]:
+        members = self.retriever.page_index().pages.get(page, [])
+        position = {parent: i for i, parent in enumerate(members)}
+        chunks = await self.retriever.chunks_where({"parent_id": {"$in": members}})
+        ordered = sorted(natural_order(chunks), key=lambda c: position.get(c.parent, len(members)))
+        return [replace(c, unit=c.parent) for c in ordered]
 
     async def _locate(self, hit: ContextChunk) -> tuple[str, list[ContextChunk]]:
         chunks = await self.parent(hit.parent)

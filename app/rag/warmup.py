@@ -18,8 +18,8 @@ from app.rag.affinity import affinity_key
 from app.rag.context import ContextChunk
 from app.rag.planner import ContextPlanner
 from app.rag.traffic import LiveTraffic
-from app.rag.units import CHARS_PER_TOKEN
 from app.rag.upstream import Upstream, UpstreamInfo
+from ingest.pages import CHARS_PER_TOKEN
 
 log = logging.getLogger("prefixrag.warmup")
 
@@ -125,20 +125,24 @@ class Warmer:
             await self._warm_units()
 
     async def _warm_units(self) -> None:
-        """Hottest units first (persisted use; before any traffic: biggest parents)."""
+        """Hottest units first (persisted use; before any traffic: biggest first). A page is one unit."""
+        await self.planner.retriever.indexes_ready()  # which parents are paged
         metas = await self.planner.retriever.chunks_where(None, texts=False)  # which parents, how big
-        sizes = Counter(c.parent for c in metas)
-        first = {}
+        units = self.planner.units
+        sizes: Counter[str] = Counter()
+        first: dict[str, ContextChunk] = {}
         for chunk in metas:
-            first.setdefault(chunk.parent, chunk)
+            key = units.page_of(chunk) or chunk.parent
+            sizes[key] += 1
+            first.setdefault(key, chunk)
         hotness = self.planner.hotness
-        order = sorted(sizes, key=lambda p: (-hotness.score(p), -sizes[p], p))
+        order = sorted(sizes, key=lambda key: (-hotness.score(key), -sizes[key], key))
         self.progress.units_planned = len(order)
         queue = iter(order)
 
         async def worker() -> None:
-            for parent in queue:  # shared iterator: each unit is taken by one worker
-                if not await self._warm_unit(lambda: self._unit_chunks(first[parent])):  # noqa: B023  (awaited now)
+            for key in queue:  # shared iterator: each unit is taken by one worker
+                if not await self._warm_unit(lambda: self._unit_chunks(first[key])):  # noqa: B023  (awaited now)
                     return
 
         await asyncio.gather(*(worker() for _ in range(self.settings.warm_concurrency)))

@@ -1,0 +1,183 @@
+"""Pages: small documents grouped into stable, prompt-sized units of related documents.
+
+A parent document much smaller than a prompt's context (an abstract, a FAQ entry, a short file) makes a poor
+cached unit on its own: a question's other hits fall elsewhere and its prompt is mostly uncached text. Grouped
+by meaning into pages of about ``PageSettings.tokens``, the hits of one question tend to share a page, and the
+page is one cached prefix that every question about any of its documents reuses.
+
+Grouping: each small parent is the mean of its chunks' embeddings; the set is split in two by k-means again and
+again until every group fits a page, and the leaves, in tree order (neighbours are related), are packed into
+pages. Deterministic: the same rows give the same pages. On a rebuild the previous pages are kept: a document
+stays in its page, a gone one leaves it, a new one joins the page nearest to it with room, and only what fits
+nowhere is grouped into new pages -- a re-ingest moves no document between pages.
+
+Kept beside the collection like the BM25 index and stamped the same way (generation, row count, page size):
+ingest writes it after a run, a service whose stamp differs rebuilds it in memory (from the saved pages).
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from app.settings import ChromaSettings, PageSettings
+from ingest.store import GENERATION_KEY, all_rows, derived_dir
+
+CHARS_PER_TOKEN = 4.0  # rough chars per LLM token: sizes here only decide what is small and what fits a page
+SMALL_SHARE = 0.5  # a parent is paged when it is at most this share of a page
+
+
+@dataclass
+class PageIndex:
+    generation: str
+    count: int
+    tokens: int  # the page size it was built for (0: paging off)
+    pages: dict[str, list[str]] = field(default_factory=dict)  # page key -> its parents, in page order
+
+    def __post_init__(self) -> None:
+        self._page_of = {parent: key for key, members in self.pages.items() for parent in members}
+
+    @property
+    def stamp(self) -> tuple[str, int, int]:
+        return self.generation, self.count, self.tokens
+
+    def page_of(self, parent: str) -> str | None:
+        return self._page_of.get(parent)
+
+
+@dataclass
+class Parents:
+    """The collection's parent documents: key, estimated tokens, unit-length mean embedding."""
+
+    keys: list[str]
+    tokens: np.ndarray
+    vectors: np.ndarray
+
+
+def read_parents(collection) -> Parents:
+    sums: dict[str, np.ndarray] = {}
+    chars: dict[str, int] = {}
+    for rows in all_rows(collection, ["embeddings", "metadatas", "documents"]):
+        for vector, meta, text in zip(rows["embeddings"], rows["metadatas"], rows["documents"]):
+            parent = meta.get("parent_id") or meta["doc_id"]
+            sums[parent] = sums.get(parent, 0.0) + np.asarray(vector, dtype=np.float64)
+            chars[parent] = chars.get(parent, 0) + len(text or "")
+    keys = sorted(sums)
+    vectors = np.array([sums[k] for k in keys]) if keys else np.zeros((0, 1))
+    vectors /= np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)
+    return Parents(keys, np.array([chars[k] / CHARS_PER_TOKEN for k in keys]), vectors)
+
+
+def group(vectors: np.ndarray, tokens: np.ndarray, limit: float) -> list[list[int]]:
+    """Row indices grouped into pages of at most ``limit`` tokens (a row bigger than that alone)."""
+    from sklearn.cluster import KMeans
+
+    leaves, stack = [], [list(range(len(tokens)))] if len(tokens) else []
+    while stack:  # depth-first, left half first: leaves come out in tree order
+        members = stack.pop()
+        if tokens[members].sum() <= limit or len(members) == 1:
+            leaves.append(members)
+            continue
+        labels = KMeans(n_clusters=2, n_init=3, random_state=0).fit_predict(vectors[members])
+        if labels.min() == labels.max():  # identical vectors: split in order
+            labels = np.arange(len(members)) >= len(members) // 2
+        first = labels == labels[0]  # the half holding the group's first row comes first
+        stack += [[m for m, f in zip(members, first) if not f], [m for m, f in zip(members, first) if f]]
+    return _pack(leaves, tokens, limit)
+
+
+def _pack(leaves: list[list[int]], tokens: np.ndarray, limit: float) -> list[list[int]]:
+    """Neighbouring leaves merged while they fit one page (a split leaves many groups far below a page)."""
+    pages: list[list[int]] = []
+    for leaf in leaves:
+        if pages and tokens[pages[-1]].sum() + tokens[leaf].sum() <= limit:
+            pages[-1] += leaf
+        else:
+            pages.append(list(leaf))
+    return pages
+
+
+def build(collection, size: int, previous: PageIndex | None = None) -> PageIndex:
+    """Pages of about ``size`` tokens (0: none), keeping ``previous``'s where it was built for that size."""
+    generation = (collection.metadata or {}).get(GENERATION_KEY, "")
+    index = PageIndex(generation, collection.count(), size)
+    if not size:
+        return index
+    parents = read_parents(collection)
+    small = {k: i for i, k in enumerate(parents.keys) if parents.tokens[i] <= SMALL_SHARE * size}
+    kept = {key: [p for p in members if p in small]
+            for key, members in (previous.pages.items() if previous and previous.tokens == size else [])}
+    kept = {key: members for key, members in kept.items() if members}
+    placed = {p for members in kept.values() for p in members}
+    newcomers = [p for p in small if p not in placed]  # sorted: parents.keys is
+    leftovers = _join_nearest(kept, newcomers, small, parents, size)
+    rows = [small[p] for p in leftovers]
+    fresh = group(parents.vectors[rows], parents.tokens[rows], size)
+    number = 1 + max((int(key.rsplit("-", 1)[1]) for key in kept), default=0)
+    for offset, members in enumerate(fresh):
+        kept[f"page-{number + offset:05d}"] = [leftovers[i] for i in members]
+    index.pages = {key: kept[key] for key in sorted(kept)}
+    index.__post_init__()
+    return index
+
+
+def _join_nearest(kept: dict[str, list[str]], newcomers: list[str], small: dict[str, int], parents: Parents,
+                  limit: float) -> list[str]:
+    """Each newcomer joins the existing page whose centroid is nearest, if it has room; the rest are returned."""
+    if not kept or not newcomers:
+        return newcomers
+    keys = list(kept)
+    centroids = np.array([parents.vectors[[small[p] for p in kept[k]]].mean(axis=0) for k in keys])
+    sizes = [parents.tokens[[small[p] for p in kept[k]]].sum() for k in keys]
+    leftovers = []
+    for parent in newcomers:
+        row = small[parent]
+        nearest = int(np.argmax(centroids @ parents.vectors[row]))
+        if sizes[nearest] + parents.tokens[row] <= limit:
+            kept[keys[nearest]].append(parent)
+            sizes[nearest] += parents.tokens[row]
+        else:
+            leftovers.append(parent)
+    return leftovers
+
+
+def path_of(cfg: ChromaSettings) -> Path:
+    folder = derived_dir(cfg, "pages")
+    return folder.with_name(f"{folder.name}.json")  # not with_suffix: collection names may hold dots
+
+
+def save(index: PageIndex, path: Path) -> None:
+    """Written whole to a temporary file, then renamed over the old one: a reader never sees half of it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fresh = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}")
+    fresh.write_text(json.dumps({"generation": index.generation, "count": index.count, "tokens": index.tokens,
+                                 "pages": index.pages}))
+    fresh.replace(path)
+
+
+def load(path: Path) -> PageIndex | None:
+    try:
+        saved = json.loads(path.read_text())
+        return PageIndex(saved["generation"], saved["count"], saved["tokens"], saved["pages"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def current(collection, cfg: ChromaSettings, settings: PageSettings, *, write: bool) -> PageIndex:
+    """The pages of the collection as it is now: the saved ones if their stamp matches, else rebuilt from the
+    saved ones (and saved, with ``write``: ingest, holding the write lock). The page size is ingest's choice:
+    a service rebuilds with the size the saved pages were made for (``settings`` only where none were saved)."""
+    path = path_of(cfg)
+    saved = load(path)
+    size = saved.tokens if saved is not None and not write else settings.tokens
+    generation = (collection.metadata or {}).get(GENERATION_KEY, "")
+    if saved is not None and saved.stamp == (generation, collection.count(), size):
+        return saved
+    index = build(collection, size, previous=saved)
+    if write:
+        save(index, path)
+    return index

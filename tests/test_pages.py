@@ -1,0 +1,88 @@
+"""Pages (``ingest.pages``): small documents grouped by meaning into stable units, and the document strategy
+putting a question's page first. Real parts: the packaged embedder, on-disk Chroma, the CPU test model."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from app.main import create_app
+from ingest import pages
+from ingest.pipeline import run_ingest
+from tests.conftest import ROOT
+from tests.corpora import app_settings, collection_of, floor_block
+from tests.servers import AppServer, reset_prefix_cache
+
+PAGE_TOKENS = 1024  # ~4K characters: the ~80 paragraphs below make a dozen pages or so
+
+
+def paragraphs() -> list[str]:
+    """Real prose of every size up to ~1K characters: the paragraphs of this project's own docs."""
+    files = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    return [p for f in files for p in f.read_text(encoding="utf-8").split("\n\n") if 120 < len(p) < 1000]
+
+
+def write_notes(folder, skip=()) -> dict[str, str]:
+    """One jsonl record (its own parent document) per paragraph, but those in ``skip``; returns id -> text."""
+    notes = {f"para-{i:03d}": text for i, text in enumerate(paragraphs()) if i not in skip}
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "notes.jsonl").write_text("".join(json.dumps({"id": i, "text": t}) + "\n" for i, t in notes.items()))
+    return notes
+
+
+def paged(settings):
+    settings.pages.tokens = PAGE_TOKENS
+    return settings
+
+
+def stored_parents(settings, embedder) -> set[str]:
+    return {m["parent_id"] for m in collection_of(settings, embedder).get(include=["metadatas"])["metadatas"]}
+
+
+def test_the_same_corpus_gives_the_same_pages_and_a_re_ingest_moves_no_document(tmp_path, settings_factory,
+                                                                               embedder):
+    notes = write_notes(tmp_path / "docs", skip={5, 6, 7})
+    first = paged(settings_factory(path=tmp_path / "one"))
+    second = paged(settings_factory(path=tmp_path / "two"))
+    for settings in (first, second):
+        run_ingest([tmp_path / "docs"], settings, embedder)
+    before, again = (pages.load(pages.path_of(s.chroma)) for s in (first, second))
+    assert before.pages == again.pages and len(before.pages) > 3  # two fresh ingests, one grouping
+    assert {p for members in before.pages.values() for p in members} == set(notes) == stored_parents(first, embedder)
+    for members in before.pages.values():
+        assert sum(len(notes[p]) for p in members) / pages.CHARS_PER_TOKEN <= PAGE_TOKENS
+
+    write_notes(tmp_path / "docs", skip={9})  # three documents come (back), one goes
+    run_ingest([tmp_path / "docs"], first, embedder)
+    after = pages.load(pages.path_of(first.chroma))
+    for key, members in before.pages.items():  # nobody moved: each page kept its documents, in order
+        kept = [p for p in members if p != "para-009"]
+        assert after.pages[key][:len(kept)] == kept
+    placed = {p for members in after.pages.values() for p in members}
+    assert placed == stored_parents(first, embedder) and "para-009" not in placed
+    assert {"para-005", "para-006", "para-007"} <= placed
+
+
+@pytest.mark.vllm
+def test_two_questions_about_two_documents_of_one_page_share_its_cached_prefix(tmp_path, vllm_url, embedder):
+    settings = paged(app_settings(tmp_path / "chroma", vllm_url, collection="notes", strategy="document", top_k=1,
+                                  hotness_dir=None))
+    notes = write_notes(tmp_path / "docs")
+    run_ingest([tmp_path / "docs"], settings, embedder)
+    index = pages.load(pages.path_of(settings.chroma))
+    key, members = next((k, m) for k, m in index.pages.items() if len(m) >= 3)
+    reset_prefix_cache(vllm_url)
+    with AppServer(create_app(settings, embedder=embedder)) as server:
+        server.wait_ready()
+        server.wait_warmed(done=True, timeout=120)
+        answers = [httpx.post(server.url + "/ask", json={"question": notes[member][:300], "max_tokens": 4},
+                              timeout=60).json() for member in (members[0], members[-1])]
+    for member, answer in zip((members[0], members[-1]), answers):
+        assert answer["strategy"] == "document"
+        assert [s["document"] for s in answer["sources"]] == [member]  # its own document found it
+        # The page (pre-warmed, the whole prompt but the question) is read from the cache.
+        usage = answer["usage"]
+        assert usage["cached_tokens"] >= floor_block(usage["prompt_tokens"] - 120, 128) >= 256
+    assert answers[0]["usage"]["prompt_tokens"] - answers[1]["usage"]["prompt_tokens"] < 100  # one page, two tails
