@@ -60,12 +60,27 @@ class AskRequest(BaseModel):
 
 
 class Source(BaseModel):
-    id: str = Field(description="Stable chunk id, as cited in the prompt.")
+    """A retrieved chunk in the prompt. ``id`` is exactly the id the prompt showed the model, so an answer's
+    citation ``[id]`` names it: the document and chunk (``guide.md::3``), or the unit it was shown in."""
+
+    id: str = Field(description="The id the prompt showed for this text and the model cites: document::chunk, or "
+                    "the unit's id when the chunk was shown inside a whole document (or a window of one).")
+    chunk_id: str = Field(description="The chunk's stable id in the store (document::chunk::content hash).")
     document: str = Field(description="Document id (path relative to the ingest root, or record id).")
     title: str
+    headings: str = Field("", description="The section the chunk is in (headings joined by ' > ').")
+    page: int | None = Field(None, description="1-based PDF page (null: not from a PDF).")
+    snippet: str = Field(description="The start of the chunk's text, for showing next to a citation.")
     score: float = Field(description="Relevance, higher first: cosine similarity (dense retrieval), BM25 "
                          "(lexical) or the reciprocal-rank-fusion score (hybrid).")
     chunk_index: int
+
+
+def sources_of(chunks) -> list[Source]:
+    """The API form of the chunks an answer could cite (``app.rag.context.ContextChunk``)."""
+    return [Source(id=c.cite_id, chunk_id=c.id, document=c.doc_id, title=c.title, headings=c.headings,
+                   page=c.page if c.page > 0 else None, snippet=c.snippet(), score=c.score,
+                   chunk_index=c.chunk_index) for c in chunks]
 
 
 class AskUsage(BaseModel):
@@ -169,13 +184,6 @@ class ChatUsage(BaseModel):
     prompt_tokens_details: PromptTokensDetails
 
 
-class ChatSource(BaseModel):
-    id: str
-    document: str
-    title: str
-    score: float
-
-
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str
@@ -194,7 +202,7 @@ class ChatCompletion(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: ChatUsage
-    sources: list[ChatSource] = Field(description="prefixrag extension: the chunks the answer could cite.")
+    sources: list[Source] = Field(description="prefixrag extension: the chunks the answer could cite.")
 
 
 class ChunkDelta(BaseModel):
@@ -215,4 +223,4 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChunkChoice]
     usage: ChatUsage | None = None
-    sources: list[ChatSource] | None = Field(None, description="prefixrag extension, on the final chunk.")
+    sources: list[Source] | None = Field(None, description="prefixrag extension, on the final chunk.")

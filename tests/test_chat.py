@@ -39,7 +39,8 @@ def test_non_streaming_completion_with_sources_and_cached_tokens(server):
     assert completion.choices[0].finish_reason in ("stop", "length")
     assert completion.usage.prompt_tokens > 0 and completion.usage.prompt_tokens_details.cached_tokens >= 128
     sources = completion.model_extra["sources"]
-    assert sources and {"id", "document", "title", "score"} <= set(sources[0])
+    assert sources and {"id", "chunk_id", "document", "title", "score", "snippet"} <= set(sources[0])
+    assert sources[0]["chunk_id"].startswith(sources[0]["id"] + "::")  # canonical: cited as document::chunk
 
 
 def test_streaming_with_usage_is_what_the_openai_client_expects(server):

@@ -38,6 +38,20 @@ def test_ask_on_the_page_streams_an_answer_with_sources(page, collections, vllm_
         assert answer.locator(".text").inner_text().strip()
         assert answer.locator(".sources li").count() == 3
         assert "cached tokens:" in answer.locator(".meta").inner_text()
+        first_source = answer.locator(".sources li").first
+        assert not first_source.locator(".snippet").is_visible()
+        first_source.locator("summary").click()  # a source opens to show its text
+        assert len(first_source.locator(".snippet").inner_text()) > 40
+        # The test model's text is noise (no citations in it): a citation is linked the way the page does it.
+        linked = page.evaluate("""() => {
+            const text = document.createElement("div"), source = document.createElement("details");
+            text.textContent = "See [docs/a.md::1] and [elsewhere].";
+            document.body.append(text, source);
+            linkCitations(text, new Map([["docs/a.md::1", source]]));
+            text.querySelector("a.cite").click();
+            return [text.querySelectorAll("a.cite").length, source.open, text.textContent];
+        }""")
+        assert linked == [1, True, "See [docs/a.md::1] and [elsewhere]."]
         page.fill("#question", "And where does the question go?")
         page.click("#send")
         page.locator(".turn.assistant").nth(1).locator(".meta").wait_for(timeout=60_000)

@@ -82,6 +82,7 @@ def test_two_questions_about_two_documents_of_one_page_share_its_cached_prefix(t
     for member, answer in zip((members[0], members[-1]), answers):
         assert answer["strategy"] == "document"
         assert [s["document"] for s in answer["sources"]] == [member]  # its own document found it
+        assert answer["sources"][0]["id"] == member  # cited by the id the page shows it under
         # The page (pre-warmed, the whole prompt but the question) is read from the cache.
         usage = answer["usage"]
         assert usage["cached_tokens"] >= floor_block(usage["prompt_tokens"] - 120, 128) >= 256

@@ -27,6 +27,23 @@ def test_context_is_a_pure_function_of_the_set(builder):
     assert [c.doc_id for c in canonical(chunks)] == ["a.md", "a.md", "b.md"]
 
 
+def test_a_source_id_is_the_id_the_prompt_shows_and_the_system_prompt_cites_that_form(builder):
+    import re
+    from dataclasses import replace
+
+    from app.protocol import sources_of
+
+    alone = chunk("b.md", 4, text="A chunk shown on its own.")
+    unit = [replace(chunk("guide.md", i, text=f"Part {i} of the guide."), unit="guide.md") for i in range(2)]
+    block = builder.context_block(unit + [alone])
+    sources = sources_of(unit + [alone])
+    assert [s.id for s in sources] == ["guide.md", "guide.md", "b.md::4"]
+    assert [s.chunk_id for s in sources] == ["guide.md::0::abc", "guide.md::1::abc", "b.md::4::abc"]
+    assert all(f'id="{s.id}"' in block for s in sources) and sources[2].snippet == "A chunk shown on its own."
+    example = re.search(r"for example \[([^\]]+)\]", builder.system_prompt).group(1)
+    assert re.fullmatch(r"[\w./-]+::\d+", example), "the example has the form the prompt shows"
+
+
 def test_nothing_volatile_before_the_question(builder):
     rendered = builder.messages([chunk("a.md", 0, rank=3)], "When?")
     text = rendered[0]["content"] + rendered[1]["content"]

@@ -53,7 +53,7 @@ def test_same_set_in_other_relevance_order_gives_identical_prefix_and_hits(colle
         llm.model = "prefixrag-test-model"
         streams = []
         for question, answer in zip(questions, (first, second)):
-            chunks = [ContextChunk(id=s["id"], doc_id=s["document"], chunk_index=s["chunk_index"],
+            chunks = [ContextChunk(id=s["chunk_id"], doc_id=s["document"], chunk_index=s["chunk_index"],
                                    text=FACTS[s["document"]], title=s["title"]) for s in answer["sources"]]
             streams.append(await llm.tokenize(builder.messages(canonical(chunks), question)))
         await llm.aclose()

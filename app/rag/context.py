@@ -12,6 +12,8 @@ from functools import cached_property
 
 from app.rag.prompts import Neutraliser, PromptTemplates
 
+SNIPPET_CHARS = 240
+
 
 @dataclass(frozen=True)
 class ContextChunk:
@@ -29,6 +31,7 @@ class ContextChunk:
     start: int = -1  # char offsets in the source document (-1: unknown); overlapping neighbours are merged
     end: int = -1
     unit: str = ""  # the stable unit this chunk was placed in (document/corpus strategies); "" = on its own
+    page: int = -1  # 1-based PDF page (-1: not from a PDF)
 
     @property
     def parent(self) -> str:
@@ -37,8 +40,15 @@ class ContextChunk:
 
     @property
     def cite_id(self) -> str:
-        # What the prompt calls the chunk: document and position. The content hash in ``id`` only costs tokens.
-        return f"{self.doc_id}::{self.chunk_index}"
+        """The id the prompt shows for this text, which the model cites and the API returns as a source's ``id``:
+        the unit's (one header per unit: a document, or a window of one), else document and position (the
+        content hash in ``id`` would only cost tokens)."""
+        return self.unit or f"{self.doc_id}::{self.chunk_index}"
+
+    def snippet(self, limit: int = SNIPPET_CHARS) -> str:
+        """The start of the text, whitespace collapsed, cut at a word: what a client shows for a citation."""
+        text = " ".join(self.text.split())
+        return text if len(text) <= limit else text[:limit].rsplit(" ", 1)[0] + " …"
 
     @property
     def canonical_key(self) -> tuple[str, int, str]:
@@ -68,7 +78,7 @@ class PromptBuilder:
         """A unit is one document in the prompt: one header, its chunks' text in natural order (headings are part
         of that text), so a 40-paragraph article does not pay 40 headers."""
         attribute = self.inert.attribute
-        return self.templates.render("context", "unit", id=attribute(unit[0].unit), title=attribute(unit[0].title),
+        return self.templates.render("context", "unit", id=attribute(unit[0].cite_id), title=attribute(unit[0].title),
                                      text=self.inert(unit_text(unit)))
 
     def context_block(self, ordered: list[ContextChunk]) -> str:

@@ -211,5 +211,5 @@ def to_chunk(chunk_id: str, text: str, meta: dict, score: float = 0.0, rank: int
         id=chunk_id, doc_id=meta["doc_id"], chunk_index=int(meta["chunk_index"]), text=text,
         title=meta.get("title", ""), headings=meta.get("headings", ""), score=round(float(score), 4), rank=rank,
         parent_id=meta.get("parent_id", ""), parent_pos=int(meta.get("parent_pos", 0)), retrieved=retrieved,
-        start=int(meta.get("start", -1)), end=int(meta.get("end", -1)),
+        start=int(meta.get("start", -1)), end=int(meta.get("end", -1)), page=int(meta.get("page", -1)),
     )

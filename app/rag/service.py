@@ -7,7 +7,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from app.errors import BadRequest, ContextTooLong, ServiceError, StoreUnavailable, UpstreamUnavailable
 from app.llm import Completion, Delta, LLMClient
@@ -193,8 +193,10 @@ class RAGService:
                     raise
                 turns, contexts = _drop_oldest_exchange(turns), contexts[1:]
         clock.mark("assemble")
-        in_prompt = {c.id for c in kept} | {c.id for ctx in contexts[:-1] for c in ctx}
-        context = [c for c in retrieved[-1] if c.id in in_prompt]
+        # The last question's hits as the prompt shows them (in a unit or alone: that decides their cited id).
+        shown = {c.id: c for ctx in contexts[:-1] for c in ctx} | {c.id: c for c in kept}
+        context = [replace(shown[c.id], score=c.score, rank=c.rank, retrieved=True)
+                   for c in retrieved[-1] if c.id in shown]
         # Every turn is keyed by turn 1's context, where its prompt starts: a conversation stays on one replica.
         async for event in self._generate(messages, context, max_tokens, chat.temperature, clock, strategy,
                                           affinity_key(first), top_p=chat.top_p, stop=chat.stop):

@@ -19,9 +19,9 @@ from app.protocol import (
     AskResponse,
     AskUsage,
     ErrorResponse,
-    Source,
     Timings,
     error_body,
+    sources_of,
 )
 from app.rag.service import Answer, Query
 from app.routers.streaming import started, unless_client_leaves
@@ -48,8 +48,7 @@ async def ask(body: AskRequest, request: Request, service: ServiceDep, metrics: 
 def to_response(answer: Answer) -> AskResponse:
     return AskResponse(
         answer=answer.text,
-        sources=[Source(id=c.id, document=c.doc_id, title=c.title, score=c.score, chunk_index=c.chunk_index)
-                 for c in answer.sources],
+        sources=sources_of(answer.sources),
         usage=AskUsage(prompt_tokens=answer.completion.prompt_tokens,
                        completion_tokens=answer.completion.completion_tokens,
                        cached_tokens=answer.completion.cached_tokens),

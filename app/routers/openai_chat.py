@@ -22,7 +22,6 @@ from app.protocol import (
     ChatCompletion,
     ChatCompletionChunk,
     ChatCompletionRequest,
-    ChatSource,
     ChatUsage,
     ChunkChoice,
     ChunkDelta,
@@ -31,6 +30,7 @@ from app.protocol import (
     ModelList,
     PromptTokensDetails,
     error_body,
+    sources_of,
 )
 from app.rag.conversation import Turn
 from app.rag.service import Answer, ChatQuery
@@ -64,7 +64,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, servic
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
     answer = await unless_client_leaves(request, service.chat(chat))
     return ChatCompletion(id=ident, created=created, model=model, usage=usage_of(answer),
-                          sources=sources_of(answer), choices=[ChatChoice(
+                          sources=sources_of(answer.sources), choices=[ChatChoice(
                               message=AssistantMessage(content=answer.text + (sources_text(answer) if append else "")),
                               finish_reason=answer.completion.finish_reason or "stop")])
 
@@ -84,14 +84,10 @@ def usage_of(answer: Answer) -> ChatUsage:
                      prompt_tokens_details=PromptTokensDetails(cached_tokens=c.cached_tokens))
 
 
-def sources_of(answer: Answer) -> list[ChatSource]:
-    return [ChatSource(id=c.id, document=c.doc_id, title=c.title, score=c.score) for c in answer.sources]
-
-
 def sources_text(answer: Answer) -> str:
     if not answer.sources:
         return ""
-    return "\n\nSources:\n" + "\n".join(f"- [{c.id}] {c.title or c.doc_id}" for c in answer.sources)
+    return "\n\nSources:\n" + "\n".join(f"- [{c.cite_id}] {c.title or c.doc_id}" for c in answer.sources)
 
 
 async def _sse(events: AsyncIterator[Delta | Answer], ident: str, created: int, model: str, include_usage: bool,
@@ -109,7 +105,7 @@ async def _sse(events: AsyncIterator[Delta | Answer], ident: str, created: int, 
             if append_sources and event.sources:
                 yield chunk(choices=[ChunkChoice(delta=ChunkDelta(content=sources_text(event)))])
             yield chunk(choices=[ChunkChoice(delta=ChunkDelta(), finish_reason=event.completion.finish_reason
-                                             or "stop")], sources=sources_of(event))
+                                             or "stop")], sources=sources_of(event.sources))
             if include_usage:
                 yield chunk(choices=[], usage=usage_of(event))
     except ServiceError as exc:

@@ -1,5 +1,6 @@
 // prefixrag chat page: keeps the conversation, streams answers from /v1/chat/completions (SSE), shows the
-// sources and cached-token count under each answer, and shows every error in the conversation.
+// sources (each opens to its snippet; citations in the answer link to them) and the cached-token count under each
+// answer, and shows every error in the conversation.
 "use strict";
 const log = document.getElementById("log");
 const form = document.getElementById("ask");
@@ -24,23 +25,50 @@ function addTurn(role, text) {
   return turn;
 }
 
+// Each source opens to show its snippet; a citation [id] in the answer names a source's id (the id the prompt
+// showed the model) and becomes a link that opens it.
 function showSources(turn, sources, usage) {
+  const byId = new Map();
   if (sources && sources.length) {
     const list = document.createElement("ol");
     list.className = "sources";
     for (const s of sources) {
       const item = document.createElement("li");
-      item.textContent = `${s.title || s.document} — ${s.id}`;
+      const details = document.createElement("details");
+      const summary = document.createElement("summary");
+      const where = [s.headings, s.page ? `page ${s.page}` : ""].filter(Boolean).join(", ");
+      summary.textContent = `${s.title || s.document} — [${s.id}]${where ? ` (${where})` : ""}`;
+      const snippet = document.createElement("blockquote");
+      snippet.className = "snippet";
+      snippet.textContent = s.snippet;
+      details.append(summary, snippet);
+      item.appendChild(details);
       list.appendChild(item);
+      if (!byId.has(s.id)) byId.set(s.id, details);
     }
     turn.appendChild(list);
   }
+  linkCitations(turn.querySelector(".text"), byId);
   if (usage) {
     const meta = document.createElement("div");
     meta.className = "meta";
     meta.textContent = `cached tokens: ${usage.prompt_tokens_details.cached_tokens} of ${usage.prompt_tokens} prompt tokens`;
     turn.appendChild(meta);
   }
+}
+
+function linkCitations(text, byId) {
+  const parts = text.textContent.split(/\[([^\[\]]+)\]/);  // odd indices: what was inside brackets
+  if (parts.length === 1) return;
+  text.replaceChildren(...parts.map((part, i) => {
+    if (i % 2 === 0 || !byId.has(part)) return document.createTextNode(i % 2 ? `[${part}]` : part);
+    const link = document.createElement("a");
+    link.href = "#";
+    link.className = "cite";
+    link.textContent = `[${part}]`;
+    link.addEventListener("click", (e) => { e.preventDefault(); const d = byId.get(part); d.open = true; d.scrollIntoView({ block: "nearest" }); });
+    return link;
+  }));
 }
 
 function showError(turn, message) {
