@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 
@@ -40,9 +41,10 @@ def main(argv: list[str] | None = None) -> int:
     # SIGTERM: stop accepting, let requests in flight finish for drain_s, then cut them off (closing their
     # vLLM requests, which vLLM then aborts) and exit.
     app = "app.main:create_app" if args.reload else _create(settings)
+    # log_config=None: uvicorn's lines go through ours (request id, quiet probes).
     uvicorn.run(app, factory=args.reload, reload=args.reload, host=settings.service.host,
-                port=settings.service.port, log_level="info", timeout_graceful_shutdown=settings.traffic.drain_s,
-                log_config=None)  # uvicorn's lines go through ours: request id, quiet probes
+                port=settings.service.port, log_level="info",
+                timeout_graceful_shutdown=math.ceil(settings.traffic.drain_s), log_config=None)
     return 0
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
 import httpx
 import openai
@@ -57,7 +58,7 @@ class LLMClient:
         """Keyword arguments for ``chat.completions.create``: the single definition of a vLLM request.
         ``priority``: vLLM's scheduling priority (lower first; users 0), for background work; ``sampling``:
         further vLLM sampling parameters (``RAG_GENERATION__EXTRA_SAMPLING``)."""
-        request = {
+        request: dict[str, Any] = {
             "model": self.model, "messages": messages, "max_tokens": max_tokens, "temperature": temperature,
             "stream": stream, "extra_headers": {self.settings.affinity_header: prefix_key},
         }

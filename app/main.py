@@ -17,8 +17,9 @@ from app.settings import Settings
 log = logging.getLogger("prefixrag")
 
 
-def create_app(settings: Settings | None = None, *, embedder=None) -> FastAPI:
-    """Build the app. ``embedder`` may be passed in to share one loaded encoder (tests, benchmarks)."""
+def create_app(settings: Settings | None = None, *, embedder=None, llm=None) -> FastAPI:
+    """Build the app. ``embedder`` may be passed in to share one loaded encoder (tests, benchmarks); ``llm``
+    replaces the vLLM client (the fast test tier's fake, ``tests/fakes.py``)."""
     settings = settings or Settings()
     from app.metrics import ServiceMetrics
 
@@ -28,7 +29,7 @@ def create_app(settings: Settings | None = None, *, embedder=None) -> FastAPI:
     async def lifespan(app: FastAPI):
         from app.services import build_services
 
-        services = await build_services(settings, embedder=embedder, metrics=metrics)
+        services = await build_services(settings, embedder=embedder, metrics=metrics, llm=llm)
         service = services.rag()
         app.state.settings, app.state.upstream, app.state.metrics = settings, services.upstream, metrics
         app.state.service = service

@@ -42,6 +42,6 @@ class QuietProbes(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         args = record.args if isinstance(record.args, tuple) else ()
         if len(args) == 5:  # (client, method, path, http version, status): uvicorn's access record
-            path, status = str(args[2]).split("?")[0], int(args[4])
+            path, status = str(args[2]).split("?")[0], int(str(args[4]))
             return not (path in PROBES and status < 400)
         return True

@@ -24,10 +24,10 @@ def _integral(value: Any) -> Any:
     return int(value) if isinstance(value, float) and value.is_integer() else value
 
 
-def json_int(low: int, high: int) -> Any:
-    """An integer as JSON Schema has it (2.0 is one) in an otherwise strict model ("2" and true are not); the
-    bounds come before the validator so that they reach the schema as minimum/maximum."""
-    return Annotated[int, Field(ge=low, le=high), BeforeValidator(_integral)]
+# An integer as JSON Schema has it (2.0 is one) in an otherwise strict model ("2" and true are not); the bounds
+# come before the validator so that they reach the schema as minimum/maximum.
+TopK = Annotated[int, Field(ge=1, le=100), BeforeValidator(_integral)]
+AnswerTokens = Annotated[int, Field(ge=1, le=32768), BeforeValidator(_integral)]
 
 
 # --- errors: {"error": {"message", "type", "param", "code"}} everywhere -------------------------------------
@@ -52,10 +52,10 @@ class AskRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)  # "stream": 0 or "top_k": "5" are errors, not guesses
     question: Text = Field(description="The question, in natural language (some non-space text).",
                            json_schema_extra={"minLength": 1, "pattern": r"\S"})  # checked by the service
-    top_k: json_int(1, 100) | None = Field(None, description="Chunks to retrieve (1..RAG_GENERATION__MAX_TOP_K, "
+    top_k: TopK | None = Field(None, description="Chunks to retrieve (1..RAG_GENERATION__MAX_TOP_K, "
                               "at most 100).")
     filters: AskFilters | None = None
-    max_tokens: json_int(1, 32768) | None = Field(None, description="Cap on answer tokens.")
+    max_tokens: AnswerTokens | None = Field(None, description="Cap on answer tokens.")
     stream: bool = Field(False, description="Stream Server-Sent Events: deltas, then a final 'done' event.")
 
 
@@ -119,7 +119,7 @@ class ModelList(BaseModel):
 
 
 # The 200 of an endpoint that can stream: JSON, or Server-Sent Events with "stream": true.
-STREAMED_200 = {200: {"content": {"text/event-stream": {"schema": {
+STREAMED_200: dict[int | str, dict[str, Any]] = {200: {"content": {"text/event-stream": {"schema": {
     "type": "object", "required": ["data"],
     "properties": {"event": {"type": "string"}, "data": {"type": "string"}}}}}}}
 

@@ -42,9 +42,11 @@ class Services:
         self.executor.shutdown(wait=False, cancel_futures=True)
 
 
-async def build_services(settings: Settings, *, embedder=None, metrics: ServiceMetrics | None = None) -> Services:
+async def build_services(settings: Settings, *, embedder=None, metrics: ServiceMetrics | None = None,
+                         llm: LLMClient | None = None) -> Services:
     """Templates first (a broken one fails fast), then the retrieve threads, the encoder (loaded now, not by the
-    first question; or ``embedder``, shared by tests and benchmarks), the vLLM client and monitor, the retriever."""
+    first question; or ``embedder``, shared by tests and benchmarks), the vLLM client (or ``llm``: the one seam
+    where the fast test tier puts its fake vLLM) and monitor, the retriever."""
     from ingest.embedder import Embedder, limit_threads
 
     templates = PromptTemplates.load(settings.service.prompts_dir)
@@ -53,7 +55,7 @@ async def build_services(settings: Settings, *, embedder=None, metrics: ServiceM
                                   initargs=(settings.embedding.query_threads,))
     encoder = embedder or await asyncio.get_running_loop().run_in_executor(
         executor, lambda: Embedder(settings.embedding).load())
-    llm = LLMClient(settings.vllm)
+    llm = llm or LLMClient(settings.vllm)
     retriever = Retriever(encoder, settings.chroma, executor, settings.retrieval, settings.pages)
     return Services(settings, executor, encoder, llm, Upstream(llm, settings.vllm), retriever, templates,
                     metrics or ServiceMetrics())

@@ -64,22 +64,23 @@ class Child:
         return self.process is not None and self.process.poll() is None
 
     def stop(self, timeout: float = 60) -> None:
-        if not self.running:
+        if self.process is None or not self.running:
             return
-        self._signal(signal.SIGTERM)
+        self._signal(self.process, signal.SIGTERM)
         try:
             self.process.wait(timeout)
         except subprocess.TimeoutExpired:
             self.kill()
 
     def kill(self) -> None:
-        if self.running:
-            self._signal(signal.SIGKILL)
+        if self.process is not None and self.running:
+            self._signal(self.process, signal.SIGKILL)
             self.process.wait(30)
 
-    def _signal(self, sig: int) -> None:
+    @staticmethod
+    def _signal(process: subprocess.Popen, sig: int) -> None:
         try:
-            os.killpg(self.process.pid, sig)
+            os.killpg(process.pid, sig)  # its own process group: the server and every worker it started
         except ProcessLookupError:
             pass
 

@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 
 from app.llm import Completion, Delta
 from app.rag.affinity import affinity_key
-from app.rag.service import Answer, Query
+from app.rag.requests import Query
+from app.rag.service import Answer
 
 # Verbatim from LangChain's RAG tutorial (the usual way RAG prompts are built).
 NAIVE_SYSTEM = (

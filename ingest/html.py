@@ -20,7 +20,7 @@ def html_to_blocks(markup: str) -> tuple[str, list[tuple[tuple[str, ...], str, N
     soup = BeautifulSoup(markup, "lxml")
     title = soup.title.get_text(" ", strip=True) if soup.title else ""
     _drop_furniture(soup)
-    root = soup.find("main") or soup.find(attrs={"role": "main"}) or soup.body or soup
+    root = soup.find("main") or soup.find(None, {"role": "main"}) or soup.body or soup
     walker = _Walker()
     walker.walk(root)
     blocks = walker.finish()
@@ -33,11 +33,11 @@ def html_to_blocks(markup: str) -> tuple[str, list[tuple[tuple[str, ...], str, N
 def _drop_furniture(soup: BeautifulSoup) -> None:
     for tag in soup.find_all(_DROP_TAGS):
         tag.decompose()
-    for tag in soup.find_all(attrs={"role": list(_DROP_ROLES)}):
+    for tag in soup.find_all(None, {"role": list(_DROP_ROLES)}):
         tag.decompose()
-    for tag in soup.find_all(attrs={"hidden": True}):
+    for tag in soup.find_all(None, {"hidden": True}):
         tag.decompose()
-    for tag in soup.find_all(attrs={"aria-hidden": "true"}):
+    for tag in soup.find_all(None, {"aria-hidden": "true"}):
         tag.decompose()
     for anchor in soup.select("a.headerlink"):  # Sphinx's pilcrow permalinks
         anchor.decompose()

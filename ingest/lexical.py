@@ -16,6 +16,7 @@ import threading
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -55,7 +56,7 @@ class LexicalIndex:
     generation: str
     ids: list[str]
     sources: list[str]
-    bm25: object  # bm25s.BM25
+    bm25: Any  # bm25s.BM25
 
     @property
     def stamp(self) -> tuple[str, int]:

@@ -59,7 +59,7 @@ def _single(rel: str, title: str, blocks, kind: str) -> SourceDocument:
 
 def _markdown_blocks(text: str):
     """Split markdown at headings (outside code fences), keeping the heading path of each block."""
-    blocks, path, lines, title, in_fence = [], [], [], "", False
+    blocks, path, lines, title, in_fence = [], list[tuple[int, str]](), list[str](), "", False
     for line in text.splitlines():
         if _MD_FENCE.match(line):
             in_fence = not in_fence
@@ -100,7 +100,7 @@ def _load_pdf(raw: bytes, rel: str) -> SourceDocument:
 
 def _load_jsonl(raw: bytes, rel: str, parent_field: str | None) -> list[SourceDocument]:
     """One document per record; records sharing a parent key are that parent's sections, in file order."""
-    documents, positions, problems, seen = [], {}, [], set()
+    documents, positions, problems, seen = [], dict[str, int](), [], set()
     for number, line in enumerate(raw.splitlines(), 1):
         if not line.strip():
             continue

@@ -233,6 +233,7 @@ def _ingest_file(result: FileResult, stored: dict[str, StoredDocument], writer: 
         seen_docs.add(document.doc_id)
         previous = stored.get(document.doc_id)
         if chunks is None:
+            assert previous is not None  # only a stored document can be unchanged
             statuses.add("unchanged")
             if previous.file_hash != result.file_hash:  # its file changed elsewhere: relabel, don't re-embed
                 writer.relabel(previous.ids, result.file_hash)

@@ -68,7 +68,11 @@ class Progress:
             yield self._count
         elif self.terminal:
             with self._bar(total) as update:
-                yield lambda name, chunks: (self._count(name, chunks), update(name, chunks))
+                def advance(name: str, chunks: int) -> None:
+                    self._count(name, chunks)
+                    update(name, chunks)
+
+                yield advance
         else:
             yield self._lines(total)
 

@@ -13,5 +13,7 @@ if ((${#missing[@]})); then
   (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null) \
     || echo "[test] ${missing[*]} could not be installed; the tests that need them will fail" >&2
 fi
-.venv/bin/ruff check app ingest bench tests scripts  # a lint finding fails the run before the slow tests start
+# A lint or type finding fails the run before the slow tests start.
+.venv/bin/ruff check app ingest bench tests scripts
+.venv/bin/mypy  # app/ and ingest/, configured in pyproject.toml
 exec .venv/bin/python -m pytest -q -ra "$@"

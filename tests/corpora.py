@@ -99,3 +99,17 @@ def lexical_ids(settings) -> set[str]:
 
     index = lexical.load(lexical.index_dir(settings.chroma))
     return set(index.ids) if index else set()
+
+
+def paragraphs() -> list[str]:
+    """Real prose of every size up to ~1K characters: the paragraphs of this project's own docs."""
+    files = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    return [p for f in files for p in f.read_text(encoding="utf-8").split("\n\n") if 120 < len(p) < 1000]
+
+
+def write_notes(folder, skip=()) -> dict[str, str]:
+    """One jsonl record (its own parent document) per paragraph, but those in ``skip``; returns id -> text."""
+    notes = {f"para-{i:03d}": text for i, text in enumerate(paragraphs()) if i not in skip}
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "notes.jsonl").write_text("".join(json.dumps({"id": i, "text": t}) + "\n" for i, t in notes.items()))
+    return notes

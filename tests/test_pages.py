@@ -3,33 +3,16 @@ putting a question's page first. Real parts: the packaged embedder, on-disk Chro
 
 from __future__ import annotations
 
-import json
-
 import httpx
 import pytest
 
 from app.main import create_app
 from ingest import pages
 from ingest.pipeline import run_ingest
-from tests.conftest import ROOT
-from tests.corpora import app_settings, collection_of, floor_block
+from tests.corpora import app_settings, collection_of, floor_block, write_notes
 from tests.servers import AppServer, reset_prefix_cache
 
-PAGE_TOKENS = 1024  # ~4K characters: the ~80 paragraphs below make a dozen pages or so
-
-
-def paragraphs() -> list[str]:
-    """Real prose of every size up to ~1K characters: the paragraphs of this project's own docs."""
-    files = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-    return [p for f in files for p in f.read_text(encoding="utf-8").split("\n\n") if 120 < len(p) < 1000]
-
-
-def write_notes(folder, skip=()) -> dict[str, str]:
-    """One jsonl record (its own parent document) per paragraph, but those in ``skip``; returns id -> text."""
-    notes = {f"para-{i:03d}": text for i, text in enumerate(paragraphs()) if i not in skip}
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "notes.jsonl").write_text("".join(json.dumps({"id": i, "text": t}) + "\n" for i, t in notes.items()))
-    return notes
+PAGE_TOKENS = 1024  # ~4K characters: the ~80 paragraphs of write_notes make a dozen pages or so
 
 
 def paged(settings):

@@ -4,12 +4,12 @@ Each user turn carries the context that was NEW at that turn, right before its q
 
     system | ctx(turn 1) [client instructions] Q1 | A1 | ctx new at turn 2, Q2 | A2 | ctx new at turn 3, Q3
 
-The first turn's context is arranged by the configured strategy (a whole unit, the corpus), so a
-conversation starts on the same pre-warmed prefix as ``/ask``; later turns add only the hits not shown yet,
-in canonical order. A client's own system prompt goes after the first context, not into the system message,
-so it does not break that shared prefix. Because retrieval and the arrangement are deterministic, earlier
-turns are recomputed from the conversation itself (no server state): any replica rebuilds exactly the prompt
-the previous turn sent, and turn n+1's prompt starts with all of it.
+The first turn's context is arranged by the configured strategy (a whole unit, a page, the corpus), so a
+conversation starts on the same pre-warmed prefix as ``/ask`` (which is a one-turn conversation); later turns
+add only the hits not shown yet, in canonical order. A client's own system prompt goes after the first
+context, not into the system message, so it does not break that shared prefix. Earlier turns are recomputed
+from the conversation itself: retrieval is deterministic and the first turn's arrangement is remembered (or,
+when forgotten, rebuilt as a pure function of its hits), so turn n+1's prompt starts with all of turn n's.
 """
 
 from __future__ import annotations

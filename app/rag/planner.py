@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from app.rag.budget import TokenEstimator, prompt_chars
 from app.rag.context import ContextChunk, PromptBuilder
-from app.rag.strategies import QUESTION_HEADROOM_TOKENS, Canonical, Corpus, Document, Reuse
+from app.rag.strategies import QUESTION_HEADROOM_TOKENS, Canonical, ContextStrategy, Corpus, Document, Reuse
 from app.rag.trie import ServedTrie
 from app.rag.units import Hotness, UnitIndex
 from app.rag.upstream import UpstreamInfo
@@ -29,9 +29,9 @@ class ContextPlanner:
         self.hotness = Hotness(hotness_path)
         self.units = UnitIndex(retriever, settings.max_unit_tokens)
         self.corpus = Corpus(retriever)
-        self.strategies = {"canonical": Canonical(), "reuse": Reuse(ServedTrie()), "corpus": self.corpus,
-                           "document": Document(self.units, self.hotness, settings.max_units,
-                                                       settings.unit_quorum)}
+        self.strategies: dict[str, ContextStrategy] = {
+            "canonical": Canonical(), "reuse": Reuse(ServedTrie()), "corpus": self.corpus,
+            "document": Document(self.units, self.hotness, settings.max_units, settings.unit_quorum)}
         # auto starts as document and becomes corpus once ``decide_corpus`` found that it fits.
         self.active = self.strategies["document" if settings.strategy == "auto" else settings.strategy]
 

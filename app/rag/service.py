@@ -1,4 +1,5 @@
-"""The RAG service: retrieve -> order -> render -> fit the budget -> stream from vLLM. FastAPI-free."""
+"""The RAG service: one pipeline for ``/ask`` (a one-turn conversation) and chat: retrieve -> arrange -> render
+-> fit the budget -> stream from vLLM. FastAPI-free."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import asdict, dataclass, field, replace
 
 from app.errors import BadRequest, ContextTooLong, ServiceError, StoreUnavailable, UpstreamUnavailable
@@ -18,6 +19,7 @@ from app.rag.context import ContextChunk, PromptBuilder
 from app.rag.conversation import Turn, conversation_messages, new_context_per_turn
 from app.rag.lru import AsyncLRU
 from app.rag.planner import ContextPlanner
+from app.rag.requests import ChatQuery, Conversation, Query, RequestRules
 from app.rag.retriever import Retriever
 from app.rag.traffic import LiveTraffic
 from app.rag.upstream import Upstream
@@ -27,29 +29,6 @@ from app.settings import GenerationSettings, TrafficSettings
 log = logging.getLogger("prefixrag.service")
 _UNSEEN = object()
 RETRIEVAL_CACHE_SIZE = 1024
-
-
-@dataclass
-class Query:
-    question: str
-    top_k: int | None = None
-    source_prefix: str | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    received_at: float = field(default_factory=time.perf_counter)
-
-
-@dataclass
-class ChatQuery:
-    turns: list[Turn]
-    system: str = ""
-    top_k: int | None = None
-    source_prefix: str | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    stop: list[str] | None = None
-    received_at: float = field(default_factory=time.perf_counter)
 
 
 class Clock:
@@ -88,7 +67,9 @@ class RAGService:
         limits = traffic or TrafficSettings()
         self.traffic = LiveTraffic(limits.max_in_flight, limits.max_queued)
         self.warmer = Warmer(self.planner, upstream, self.traffic)
+        self.rules = RequestRules(settings)
         self._retrievals: AsyncLRU[list[ContextChunk]] = AsyncLRU(RETRIEVAL_CACHE_SIZE)
+        self._first_contexts: AsyncLRU[list[ContextChunk]] = AsyncLRU(RETRIEVAL_CACHE_SIZE)
         self.collection_problem: str | None = "collection not checked yet"  # kept by watch_collection
 
     def readiness(self) -> dict:
@@ -103,28 +84,17 @@ class RAGService:
                                      "max_queued": traffic.max_queued, "refused": traffic.refused,
                                      "warmup_yields": traffic.yields}}
 
-    def validate(self, query: Query) -> tuple[str, int, int]:
-        question = query.question.strip() if isinstance(query.question, str) else ""
-        if not question:
-            raise BadRequest("question must be a non-empty string", param="question", code="empty_question")
-        if len(question) > self.settings.max_question_chars:
-            raise BadRequest(f"question is {len(question)} characters; the limit is "
-                             f"{self.settings.max_question_chars}", param="question", code="question_too_long")
-        top_k = self.settings.top_k if query.top_k is None else query.top_k
-        if not 1 <= top_k <= self.settings.max_top_k:
-            raise BadRequest(f"top_k must be between 1 and {self.settings.max_top_k}", param="top_k",
-                             code="top_k_out_of_range")
-        return question, top_k, query.max_tokens or self.settings.max_tokens
+    def answer_stream(self, query: Query) -> AsyncGenerator[Delta | Answer, None]:
+        """``/ask``: a one-turn conversation. Yields answer deltas as vLLM produces them, then one ``Answer``.
+        A bad request raises ``BadRequest`` here, before anything runs."""
+        return self._watching_upstream(self._converse(self.rules.ask(query)))
 
-    def answer_stream(self, query: Query) -> AsyncIterator[Delta | Answer]:
-        """Yield answer deltas as vLLM produces them, then one final ``Answer``."""
-        return self._watching_upstream(self._answer_stream(query))
+    def chat_stream(self, chat: ChatQuery) -> AsyncGenerator[Delta | Answer, None]:
+        """A conversation whose prompt extends the previous turn's prompt; the same pipeline as ``/ask``."""
+        return self._watching_upstream(self._converse(self.rules.chat(chat)))
 
-    def chat_stream(self, chat: ChatQuery) -> AsyncIterator[Delta | Answer]:
-        """Like ``answer_stream`` for a conversation whose prompt extends the previous turn's prompt."""
-        return self._watching_upstream(self._chat_stream(chat))
-
-    async def _watching_upstream(self, events: AsyncIterator[Delta | Answer]) -> AsyncIterator[Delta | Answer]:
+    async def _watching_upstream(self, events: AsyncIterator[Delta | Answer],
+                                 ) -> AsyncGenerator[Delta | Answer, None]:
         """Admission (a slot, or 429 at once) around the whole request, and vLLM's health watched."""
         try:
             async with self.traffic.slot():
@@ -136,84 +106,75 @@ class RAGService:
             self.upstream.mark_down(exc.message)
             raise
 
-    async def _answer_stream(self, query: Query) -> AsyncIterator[Delta | Answer]:
-        question, top_k, max_tokens = self.validate(query)
+    async def _converse(self, talk: Conversation) -> AsyncIterator[Delta | Answer]:
+        """The one pipeline: retrieve every question, plan the context (turn 1 by the strategy, later turns only
+        what is new), fit the budget, generate."""
         info = self.upstream.require()
         self.builder.inert.use(info.special_tokens)
-        clock = Clock(query.received_at)
-        ranked = await self.retriever.retrieve(question, top_k, query.source_prefix)
+        clock = Clock(talk.received_at)
+        questions = talk.questions
+        retrieved = [await self._retrieve_cached(q, talk.top_k, talk.source_prefix) for q in questions]
         clock.mark("retrieve")
-        budget = self._budget(info.max_model_len, max_tokens)
-        arranged = await self.planner.arrange(ranked, budget)
-        strategy = self.planner.strategy_for(arranged)
-
-        async def fit(estimator: TokenEstimator | None) -> tuple[list[dict], list[ContextChunk], int]:
-            return await fit_to_budget(lambda chunks: self.builder.messages(chunks, question), self.llm, arranged,
-                                       budget, self._chunk_chars, estimator)
-
-        messages, kept, _ = await fit(self.estimator)
+        budget = self._budget(info.max_model_len, talk.max_tokens)
+        first = await self._first_context(questions[0], talk, retrieved[0], budget, later=len(questions) > 1)
+        strategy = self.planner.strategy_for(first)
+        plan = Plan(list(talk.turns), new_context_per_turn(first, retrieved[1:]))
+        messages, kept = await self._fit(plan, talk.system, budget, self.estimator)
         self.planner.served(kept)
         clock.mark("assemble")
+        affinity = affinity_key(first)  # every turn keyed by turn 1's context, where its prompt starts
         try:
-            async for event in self._generate(messages, kept, max_tokens, query.temperature, clock, strategy,
-                                              affinity_key(kept)):
+            async for event in self._generate(messages, plan, kept, retrieved[-1], talk, clock, strategy, affinity):
                 yield event
         except ContextTooLong:
             # The estimate let through a prompt vLLM would not take (vLLM refuses before any token streams):
             # count exactly, trim, and send once more.
-            messages, kept, _ = await fit(None)
-            async for event in self._generate(messages, kept, max_tokens, query.temperature, clock, strategy,
-                                              affinity_key(kept)):
+            messages, kept = await self._fit(plan, talk.system, budget, None)
+            async for event in self._generate(messages, plan, kept, retrieved[-1], talk, clock, strategy, affinity):
                 yield event
 
-    async def _chat_stream(self, chat: ChatQuery) -> AsyncIterator[Delta | Answer]:
-        questions = [turn.content for turn in chat.turns if turn.role == "user"]
-        _, top_k, max_tokens = self.validate(Query(questions[-1], chat.top_k, None, chat.max_tokens))
-        info = self.upstream.require()
-        self.builder.inert.use(info.special_tokens)
-        clock = Clock(chat.received_at)
-        retrieved = [await self._retrieve_cached(q, top_k, chat.source_prefix) for q in questions]
-        clock.mark("retrieve")
-        budget = self._budget(info.max_model_len, max_tokens)
-        first = await self.planner.arrange(retrieved[0], budget, stable=True)
-        strategy = self.planner.strategy_for(first)
-        contexts = new_context_per_turn(first, retrieved[1:])
-        turns = list(chat.turns)
+    async def _first_context(self, question: str, talk: Conversation, ranked: list[ContextChunk], budget: int,
+                             later: bool) -> list[ContextChunk]:
+        """Turn 1's context. A request's first question is arranged by the strategy with what it has learned
+        (hot units first, served paths), and remembered, so ``/ask`` and a chat's first turn share one prompt
+        and the chat's later turns rebuild it exactly; a later turn whose first context was forgotten (evicted,
+        another app process) rebuilds it as a pure function of the hits."""
+        key = (question, talk.top_k, talk.source_prefix, budget)
+        stable = later  # only reached when not remembered
+        return await self._first_contexts.get(key, lambda: self.planner.arrange(ranked, budget, stable=stable))
+
+    async def _fit(self, plan: Plan, system: str, budget: int,
+                   estimator: TokenEstimator | None) -> tuple[list[dict], list[ContextChunk]]:
+        """The prompt within ``budget``: the newest context trimmed by rank; if even none fits, the oldest
+        exchange goes (that request then misses the cache, its prefix changed) and it tries again."""
         while True:
-            def render(last: list[ContextChunk]) -> list[dict]:  # called within this iteration only
-                return conversation_messages(self.builder, turns, contexts[:-1] + [last], chat.system)  # noqa: B023
+            turns, contexts = plan.turns, plan.contexts
+
+            def render(last: list[ContextChunk]) -> list[dict]:
+                return conversation_messages(self.builder, turns, contexts[:-1] + [last], system)  # noqa: B023
 
             try:
-                messages, kept, _ = await fit_to_budget(render, self.llm, contexts[-1], budget, self._chunk_chars)
-                break
+                messages, kept, _ = await fit_to_budget(render, self.llm, contexts[-1], budget, self._chunk_chars,
+                                                        estimator)
+                return messages, kept
             except OverBudget:
-                # Even without new context the conversation is too long: drop the oldest exchange (this
-                # request then misses the cache, as its prefix changed) and try again.
                 if len(contexts) == 1:
                     raise
-                turns, contexts = _drop_oldest_exchange(turns), contexts[1:]
-        clock.mark("assemble")
-        # The last question's hits as the prompt shows them (in a unit or alone: that decides their cited id).
-        shown = {c.id: c for ctx in contexts[:-1] for c in ctx} | {c.id: c for c in kept}
-        context = [replace(shown[c.id], score=c.score, rank=c.rank, retrieved=True)
-                   for c in retrieved[-1] if c.id in shown]
-        # Every turn is keyed by turn 1's context, where its prompt starts: a conversation stays on one replica.
-        async for event in self._generate(messages, context, max_tokens, chat.temperature, clock, strategy,
-                                          affinity_key(first), top_p=chat.top_p, stop=chat.stop):
-            yield event
+                plan.turns, plan.contexts = _drop_oldest_exchange(turns), contexts[1:]
 
     async def _retrieve_cached(self, question: str, top_k: int, source_prefix: str | None) -> list[ContextChunk]:
         # Earlier turns are re-retrieved on every request; an LRU keeps that to one Chroma query per new turn.
         return await self._retrievals.get((question, top_k, source_prefix),
                                           lambda: self.retriever.retrieve(question, top_k, source_prefix))
 
-    async def _generate(self, messages: list[dict], context: list[ContextChunk], max_tokens: int,
-                        temperature: float | None, clock: Clock, strategy: str, affinity: str,
-                        **options) -> AsyncIterator[Delta | Answer]:
+    async def _generate(self, messages: list[dict], plan: Plan, kept: list[ContextChunk], hits: list[ContextChunk],
+                        talk: Conversation, clock: Clock, strategy: str, affinity: str,
+                        ) -> AsyncIterator[Delta | Answer]:
         request = self.llm.chat_request(
-            messages, max_tokens=max_tokens, prefix_key=affinity,
-            temperature=self.settings.temperature if temperature is None else temperature,
-            repetition_penalty=self.settings.repetition_penalty, sampling=self.settings.extra_sampling, **options)
+            messages, max_tokens=talk.max_tokens, prefix_key=affinity,
+            temperature=self.settings.temperature if talk.temperature is None else talk.temperature,
+            repetition_penalty=self.settings.repetition_penalty, sampling=self.settings.extra_sampling,
+            top_p=talk.top_p, stop=talk.stop)
         completion, first_token = Completion(), None
         async for delta in self.llm.stream_chat(request, completion):
             first_token = first_token or time.perf_counter()
@@ -222,36 +183,16 @@ class RAGService:
         self.estimator.observe(messages, completion.prompt_tokens)
         ttft = (first_token or done) - clock.started
         self.metrics.observe_answer(strategy, completion.prompt_tokens, completion.cached_tokens, ttft)
-        # Most relevant first (ranks can be shared: a unit or the corpus carries one rank for all its chunks).
-        sources = sorted((c for c in context if c.retrieved), key=lambda c: -c.score)
         timings = clock.timings(ttft, done)
         log.info("answered: strategy=%s prompt=%d cached=%d completion=%d finish=%s ttft_ms=%.0f total_ms=%.0f",
                  strategy, completion.prompt_tokens, completion.cached_tokens, completion.completion_tokens,
                  completion.finish_reason, timings["ttft"], timings["total"])
-        yield Answer(text=completion.text, sources=sources, completion=completion, strategy=strategy,
-                     timings_ms=timings, messages=messages, context=context)
+        context = [c for earlier in plan.contexts[:-1] for c in earlier] + kept
+        yield Answer(text=completion.text, sources=shown_hits(hits, context), completion=completion,
+                     strategy=strategy, timings_ms=timings, messages=messages, context=context)
 
     def _chunk_chars(self, chunk: ContextChunk) -> int:
         return len(self.builder.render_chunk(chunk))
-
-    def validate_chat(self, chat: ChatQuery) -> None:
-        """Bad conversations are 400s before any streaming starts."""
-        if not chat.turns or chat.turns[-1].role != "user":
-            raise BadRequest("the last message must be a user message", param="messages", code="invalid_messages")
-        limits = self.settings
-        if len(chat.turns) > limits.max_chat_messages:
-            raise BadRequest(f"{len(chat.turns)} messages; the limit is {limits.max_chat_messages}",
-                             param="messages", code="too_many_messages")
-        size = len(chat.system) + sum(len(turn.content) for turn in chat.turns)
-        if size > limits.max_chat_chars:
-            raise BadRequest(f"the messages hold {size} characters; the limit is {limits.max_chat_chars}",
-                             param="messages", code="conversation_too_long")
-        for number, turn in enumerate(chat.turns):
-            if turn.role == "user":  # every question is retrieved for, not only the last: each is checked
-                try:
-                    self.validate(Query(turn.content, chat.top_k, None, chat.max_tokens))
-                except BadRequest as exc:
-                    raise BadRequest(f"messages[{number}]: {exc.message}", param="messages", code=exc.code) from None
 
     async def chat(self, chat: ChatQuery) -> Answer:
         return await _final(self.chat_stream(chat))
@@ -301,18 +242,35 @@ class RAGService:
     async def _collection_changed(self, rewarm: bool) -> None:
         self.retriever.reopen()
         self._retrievals.clear()
+        self._first_contexts.clear()
         self.planner.forget_collection()
         self.metrics.collection_reloads.inc()
         if rewarm:  # in the background; a deleted collection has nothing to warm
             self.warmer.restart()
 
 
-async def _final(events: AsyncIterator[Delta | Answer]) -> Answer:
+async def _final(events: AsyncGenerator[Delta | Answer, None]) -> Answer:
     async with contextlib.aclosing(events):  # closed here and now: its slot is free before we return
         async for event in events:
             if isinstance(event, Answer):
                 return event
     raise AssertionError("the stream ended without an Answer")
+
+
+@dataclass
+class Plan:
+    """A conversation's turns and the context new at each user turn (the oldest exchange may be dropped)."""
+
+    turns: list[Turn]
+    contexts: list[list[ContextChunk]]
+
+
+def shown_hits(hits: list[ContextChunk], context: list[ContextChunk]) -> list[ContextChunk]:
+    """The last question's hits as the prompt shows them (alone or inside a unit: that decides their cited
+    id), with this question's scores, most relevant first."""
+    shown = {c.id: c for c in context}
+    found = [replace(shown[c.id], score=c.score, rank=c.rank, retrieved=True) for c in hits if c.id in shown]
+    return sorted(found, key=lambda c: -c.score)
 
 
 def _drop_oldest_exchange(turns: list[Turn]) -> list[Turn]:

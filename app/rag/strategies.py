@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import replace
+from typing import Protocol
 
 from app.rag.context import ContextChunk, canonical
 from app.rag.trie import ServedTrie
@@ -24,12 +25,26 @@ log = logging.getLogger("prefixrag.strategies")
 QUESTION_HEADROOM_TOKENS = 256  # room kept for the question when deciding whether the corpus fits
 
 
+class ContextStrategy(Protocol):
+    """How hits become a prompt's context. ``arrange`` only reads state; ``served`` is the one hook that
+    changes it (what was sent shapes the next arrangement: hotness, the served-path trie)."""
+
+    name: str
+
+    async def arrange(self, ranked: list[ContextChunk], budget: int, stable: bool = False) -> list[ContextChunk]:
+        """The context for these hits. ``stable``: a pure function of ``ranked`` (no state read), for a
+        conversation's first turn, which is rebuilt on every later turn and must come out the same."""
+        ...
+
+    def served(self, kept: list[ContextChunk]) -> None:
+        """Record what a request actually sent (after fitting the budget)."""
+        ...
+
+
 class Canonical:
     name = "canonical"
 
     async def arrange(self, ranked: list[ContextChunk], budget: int, stable: bool = False) -> list[ContextChunk]:
-        """The context for these hits. ``stable``: a pure function of ``ranked`` (no state read or recorded),
-        for a conversation's first turn, which is rebuilt on every later turn and must come out the same."""
         return canonical(ranked)
 
     def served(self, kept: list[ContextChunk]) -> None:
@@ -95,8 +110,11 @@ class Document(Canonical):
             order = sorted(units)
         else:  # hot units first: the most shared unit is always at the very front of the prompt
             order = sorted(units, key=lambda key: (-self.hotness.score(key), key))
-            self.hotness.use(order)
         return [c for key in order for c in units[key]] + canonical(extras)
+
+    def served(self, kept: list[ContextChunk]) -> None:
+        """The units a request sent get hotter (a page is one unit, whichever of its documents were shown)."""
+        self.hotness.use(list(dict.fromkeys(self.units.page_of(c) or c.unit for c in kept if c.unit)))
 
 
 class Reuse(Canonical):

@@ -31,13 +31,13 @@ class ServedTrie:
     def order(self, ids: set[str]) -> list[str]:
         """The longest served path made only of ``ids`` (most recently used branch first at each step)."""
         with self._lock:
-            node, path, remaining = self.root, [], set(ids)
+            node, path, remaining = self.root, list[str](), set(ids)
             while remaining:
                 options = [node.children[i] for i in remaining if i in node.children]
                 if not options:
                     break
                 node = max(options, key=lambda child: child.last_used)
-                path.append(node.key)
+                path.append(node.key or "")  # every node below the root has a key
                 remaining.discard(node.key)
             return path
 

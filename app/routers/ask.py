@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import AsyncIterator
+from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
@@ -23,12 +24,14 @@ from app.protocol import (
     error_body,
     sources_of,
 )
-from app.rag.service import Answer, Query
+from app.rag.requests import Query
+from app.rag.service import Answer
 from app.routers.streaming import started, unless_client_leaves
 
 log = logging.getLogger("prefixrag.ask")
 router = APIRouter(tags=["ask"], dependencies=[Authorized])
-ERRORS = STREAMED_200 | {code: {"model": ErrorResponse} for code in (400, 401, 413, 429, 503, 504)}
+ERRORS: dict[int | str, dict[str, Any]] = STREAMED_200 | {
+    code: {"model": ErrorResponse} for code in (400, 401, 413, 429, 503, 504)}
 
 
 @router.post("/ask", response_model=AskResponse, responses=ERRORS)

@@ -7,6 +7,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
+from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
@@ -33,12 +34,14 @@ from app.protocol import (
     sources_of,
 )
 from app.rag.conversation import Turn
-from app.rag.service import Answer, ChatQuery
+from app.rag.requests import ChatQuery
+from app.rag.service import Answer
 from app.routers.streaming import started, unless_client_leaves
 
 log = logging.getLogger("prefixrag.chat")
 router = APIRouter(prefix="/v1", tags=["openai"], dependencies=[Authorized])
-ERRORS = STREAMED_200 | {code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 429, 503, 504)}
+ERRORS: dict[int | str, dict[str, Any]] = STREAMED_200 | {
+    code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 429, 503, 504)}
 
 
 @router.get("/models", response_model=ModelList)
@@ -54,7 +57,6 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, servic
         raise NotFound(f"model {body.model!r} does not exist; GET /v1/models lists {model!r}", param="model",
                        code="model_not_found")
     chat = to_chat_query(body)
-    service.validate_chat(chat)
     ident, created = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time())
     append = settings.service.append_sources
     if body.stream:

@@ -24,7 +24,7 @@ async def unless_client_leaves(request: Request, work: Awaitable[T]) -> T:
     # A cancelled pipeline unwinds: its slot is freed, its vLLM stream closed.
     finished, result = await unless(work, _disconnected(request))
     if finished:
-        return result
+        return result  # type: ignore[return-value]  # finished: work's own result
     log.info("client left %s before its answer: request cancelled, vLLM's aborted", request.url.path)
     raise ClientGone("the client disconnected")
 

@@ -1,0 +1,108 @@
+"""What a request asks for, checked once at the edge into one typed value: ``/ask`` is a one-turn conversation,
+so both endpoints go through the same pipeline (``RAGService``) with the same limits."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from app.errors import BadRequest
+from app.rag.conversation import Turn
+from app.settings import GenerationSettings
+
+
+@dataclass
+class Query:
+    """``POST /ask`` as received."""
+
+    question: str
+    top_k: int | None = None
+    source_prefix: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    received_at: float = field(default_factory=time.perf_counter)
+
+
+@dataclass
+class ChatQuery:
+    """``POST /v1/chat/completions`` as received (the client's system prompt apart from the turns)."""
+
+    turns: list[Turn]
+    system: str = ""
+    top_k: int | None = None
+    source_prefix: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: list[str] | None = None
+    received_at: float = field(default_factory=time.perf_counter)
+
+
+@dataclass(frozen=True)
+class Conversation:
+    """A checked request: every limit applied, every default resolved."""
+
+    turns: tuple[Turn, ...]
+    top_k: int
+    max_tokens: int
+    system: str = ""
+    source_prefix: str | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: list[str] | None = None
+    received_at: float = field(default_factory=time.perf_counter)
+
+    @property
+    def questions(self) -> list[str]:
+        return [turn.content for turn in self.turns if turn.role == "user"]
+
+
+class RequestRules:
+    """The limits of ``GenerationSettings``; a request that breaks one is a 400 before any work starts."""
+
+    def __init__(self, settings: GenerationSettings) -> None:
+        self.settings = settings
+
+    def ask(self, query: Query) -> Conversation:
+        question = self._question(query.question, "question")
+        return Conversation((Turn("user", question),), self._top_k(query.top_k), self._max_tokens(query.max_tokens),
+                            source_prefix=query.source_prefix, temperature=query.temperature,
+                            received_at=query.received_at)
+
+    def chat(self, chat: ChatQuery) -> Conversation:
+        limits = self.settings
+        if not chat.turns or chat.turns[-1].role != "user":
+            raise BadRequest("the last message must be a user message", param="messages", code="invalid_messages")
+        if len(chat.turns) > limits.max_chat_messages:
+            raise BadRequest(f"{len(chat.turns)} messages; the limit is {limits.max_chat_messages}",
+                             param="messages", code="too_many_messages")
+        size = len(chat.system) + sum(len(turn.content) for turn in chat.turns)
+        if size > limits.max_chat_chars:
+            raise BadRequest(f"the messages hold {size} characters; the limit is {limits.max_chat_chars}",
+                             param="messages", code="conversation_too_long")
+        turns = []
+        for number, turn in enumerate(chat.turns):  # every question is retrieved for: each one is checked
+            content = self._question(turn.content, f"messages[{number}]") if turn.role == "user" else turn.content
+            turns.append(Turn(turn.role, content))
+        return Conversation(tuple(turns), self._top_k(chat.top_k), self._max_tokens(chat.max_tokens), chat.system,
+                            chat.source_prefix, chat.temperature, chat.top_p, chat.stop, chat.received_at)
+
+    def _question(self, text: object, where: str) -> str:
+        question = text.strip() if isinstance(text, str) else ""
+        param, prefix = ("question", "") if where == "question" else ("messages", f"{where}: ")
+        if not question:
+            raise BadRequest(f"{prefix}question must be a non-empty string", param=param, code="empty_question")
+        if len(question) > self.settings.max_question_chars:
+            raise BadRequest(f"{prefix}question is {len(question)} characters; the limit is "
+                             f"{self.settings.max_question_chars}", param=param, code="question_too_long")
+        return question
+
+    def _top_k(self, top_k: int | None) -> int:
+        top_k = self.settings.top_k if top_k is None else top_k
+        if not 1 <= top_k <= self.settings.max_top_k:
+            raise BadRequest(f"top_k must be between 1 and {self.settings.max_top_k}", param="top_k",
+                             code="top_k_out_of_range")
+        return top_k
+
+    def _max_tokens(self, max_tokens: int | None) -> int:
+        return max_tokens or self.settings.max_tokens

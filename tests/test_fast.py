@@ -1,0 +1,102 @@
+"""The fast tier: the service's own logic end to end -- HTTP, retrieval over a real on-disk Chroma with the real
+embedder, strategies and pages, pre-warm, the token budget, citations -- against the fake vLLM of
+``tests/fakes.py``, put in at the one seam (``create_app(llm=)``). Seconds, no vLLM; every behaviour here is
+also tested against a real vLLM CPU server (marked ``vllm``). Run this tier alone: ``pytest -m "not vllm"``."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from app.main import create_app
+from ingest import pages
+from ingest.pipeline import run_ingest
+from tests.corpora import app_settings, floor_block, write_notes
+from tests.fakes import BLOCK, FakeVLLM
+from tests.servers import AppServer
+
+
+@pytest.fixture(scope="module")
+def notes(tmp_path_factory, embedder):
+    """The project's paragraphs as small jsonl documents, grouped into pages of ~1K tokens."""
+    base = tmp_path_factory.mktemp("fast")
+    texts = write_notes(base / "docs")
+    settings = app_settings(base / "chroma", "http://unused/v1", collection="notes")
+    settings.pages.tokens = 1024
+    run_ingest([base / "docs"], settings, embedder)
+    return base / "chroma", texts, pages.load(pages.path_of(settings.chroma))
+
+
+def serve(notes, embedder, **generation):
+    chroma, _, _ = notes
+    fake = FakeVLLM()
+    settings = app_settings(chroma, "http://unused/v1", collection="notes", hotness_dir=None, **generation)
+    app = create_app(settings, embedder=embedder, llm=fake)
+    server = AppServer(app)
+    server.app = app
+    return server, fake
+
+
+def ask(server, **body) -> httpx.Response:
+    return httpx.post(server.url + "/ask", json={"max_tokens": 8, **body}, timeout=30)
+
+
+def test_questions_about_two_documents_of_one_page_share_its_prefix_and_cite_them(notes, embedder):
+    _, texts, index = notes
+    page, members = next((k, m) for k, m in index.pages.items() if len(m) >= 3)
+    server, fake = serve(notes, embedder, strategy="document", top_k=1)
+    with server:
+        server.wait_ready()
+        warmed = server.wait_warmed(done=True)["warmup"]
+        hotness = server.app.state.service.planner.hotness
+        assert hotness.score(page) == 0
+        answers = [ask(server, question=texts[member][:300]).json() for member in (members[0], members[-1])]
+        assert hotness.score(page) > 0  # what was served, as one unit: the page
+    assert warmed["units_warmed"] == warmed["units_planned"] == len(index.pages)
+    for member, answer in zip((members[0], members[-1]), answers):
+        assert [s["id"] for s in answer["sources"]] == [member] and answer["sources"][0]["snippet"]
+        usage = answer["usage"]  # the page was pre-warmed: all but the question's tail is cached
+        assert usage["cached_tokens"] >= floor_block(usage["prompt_tokens"] - 100, BLOCK) > 0
+    prompts = [fake.prompts[-2][1]["content"], fake.prompts[-1][1]["content"]]
+    assert all(f'id="{m}"' in p for m in members for p in prompts)  # the whole page, each document by its id
+
+
+def test_the_same_set_twice_reuses_the_prompt_up_to_the_question(notes, embedder):
+    server, _ = serve(notes, embedder, top_k=3)  # canonical
+    with server:
+        server.wait_ready()
+        first, second = (ask(server, question=q).json() for q in
+                         ("How are chunks ordered in the prompt?", "How are chunks ordered in the prompt, again?"))
+    assert {s["id"] for s in first["sources"]} == {s["id"] for s in second["sources"]}
+    assert all(s["chunk_id"].startswith(s["id"] + "::") for s in first["sources"])
+    assert second["usage"]["cached_tokens"] >= floor_block(second["usage"]["prompt_tokens"] - 40, BLOCK)
+
+
+def test_bad_input_is_an_openai_shaped_400_and_a_huge_answer_budget_is_trimmed(notes, embedder):
+    server, fake = serve(notes, embedder, top_k=12)
+    with server:
+        server.wait_ready()
+        empty, zero = ask(server, question=" "), ask(server, question="What?", top_k=0)
+        tight = ask(server, question="How does prefix caching work?", max_tokens=fake.max_model_len - 500)
+    for response in (empty, zero):
+        assert response.status_code == 400 and set(response.json()["error"]) == {"message", "type", "param", "code"}
+    assert tight.status_code == 200, tight.text
+    body = tight.json()
+    assert 0 < len(body["sources"]) < 12 and body["usage"]["prompt_tokens"] + fake.max_model_len - 500 <= 4096
+
+
+def test_each_chat_turn_extends_the_previous_prompt(notes, embedder):
+    server, _ = serve(notes, embedder, top_k=2)
+    with server:
+        server.wait_ready()
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+        messages, previous = [], None
+        for question in ("What does ingest do?", "And the service?", "How is it tested?"):
+            messages.append({"role": "user", "content": question})
+            reply = client.chat.completions.create(model="prefixrag", messages=messages, max_tokens=4)
+            messages.append({"role": "assistant", "content": reply.choices[0].message.content})
+            if previous is not None:
+                assert reply.usage.prompt_tokens_details.cached_tokens >= floor_block(previous, BLOCK) - BLOCK
+            previous = reply.usage.prompt_tokens
+        assert reply.model_extra["sources"]
