@@ -167,9 +167,15 @@ class GenerationSettings(BaseModel):
     warm_priority: int = Field(
         10, ge=1, description="vLLM priority of pre-warm requests (user requests: 0; lower goes first). Needs "
         "vLLM started with --scheduling-policy priority, as python -m app.vllm_server does; elsewhere it is dropped.")
-    hotness_dir: Path | None = Field(Path("./data/hotness"), description="Where unit hotness is persisted (None: off).")
+    hotness_dir: Path | None = Field(Path("./data/hotness"), description="Where unit hotness is persisted (empty: "
+                                     "not persisted).")
     context_budget_tokens: int | None = Field(
         None, description="Cap on prompt tokens (default: max_model_len - max_tokens).")
+
+    @field_validator("hotness_dir", mode="before")
+    @classmethod
+    def _empty_means_off(cls, value):
+        return None if value in ("", None) else value
 
 
 class TrafficSettings(BaseModel):

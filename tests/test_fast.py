@@ -100,3 +100,10 @@ def test_each_chat_turn_extends_the_previous_prompt(notes, embedder):
                 assert reply.usage.prompt_tokens_details.cached_tokens >= floor_block(previous, BLOCK) - BLOCK
             previous = reply.usage.prompt_tokens
         assert reply.model_extra["sources"]
+
+
+def test_an_empty_hotness_dir_turns_persistence_off(monkeypatch):
+    from app.settings import Settings
+
+    monkeypatch.setenv("RAG_GENERATION__HOTNESS_DIR", "")  # was Path(""): hotness files written into the cwd
+    assert Settings(_env_file=None).generation.hotness_dir is None
