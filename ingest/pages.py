@@ -104,9 +104,8 @@ def _pack(leaves: list[list[int]], tokens: np.ndarray, limit: float) -> list[lis
 def build(collection, size: int, previous: PageIndex | None = None) -> PageIndex:
     """Pages of about ``size`` tokens (0: none), keeping ``previous``'s where it was built for that size."""
     generation = (collection.metadata or {}).get(GENERATION_KEY, "")
-    index = PageIndex(generation, collection.count(), size)
     if not size:
-        return index
+        return PageIndex(generation, collection.count(), size)
     parents = read_parents(collection)
     small = {k: i for i, k in enumerate(parents.keys) if parents.tokens[i] <= SMALL_SHARE * size}
     kept = {key: [p for p in members if p in small]
@@ -120,9 +119,7 @@ def build(collection, size: int, previous: PageIndex | None = None) -> PageIndex
     number = 1 + max((int(key.rsplit("-", 1)[1]) for key in kept), default=0)
     for offset, members in enumerate(fresh):
         kept[f"page-{number + offset:05d}"] = [leftovers[i] for i in members]
-    index.pages = {key: kept[key] for key in sorted(kept)}
-    index.__post_init__()
-    return index
+    return PageIndex(generation, collection.count(), size, {key: kept[key] for key in sorted(kept)})
 
 
 def _join_nearest(kept: dict[str, list[str]], newcomers: list[str], small: dict[str, int], parents: Parents,

@@ -57,7 +57,10 @@ class UnitIndex:
         return key, [replace(c, unit=key) for c in chunks]
 
     async def _fetch_page(self, page: str) -> list[ContextChunk]:
-        members = self.retriever.page_index().pages.get(page, [])
+        index = self.retriever.page_index()
+        members = index.pages.get(page, []) if index is not None else []  # None: reloaded since page_of
+        if not members:
+            return []
         position = {parent: i for i, parent in enumerate(members)}
         chunks = await self.retriever.chunks_where({"parent_id": {"$in": members}})
         ordered = sorted(natural_order(chunks), key=lambda c: position.get(c.parent, len(members)))
