@@ -36,7 +36,8 @@ def create_app(settings: Settings | None = None, *, embedder=None, llm=None) -> 
         metrics.watch(service.readiness)
         tasks = [asyncio.create_task(services.upstream.run_forever(), name="vllm-monitor"),
                  asyncio.create_task(service.warmer.run_forever(), name="warmer"),
-                 asyncio.create_task(service.watch_collection(settings.chroma.poll_s), name="collection-watcher")]
+                 asyncio.create_task(service.collection.run_forever(settings.chroma.poll_s),
+                                     name="collection-watcher")]
         log.info("prefixrag serving collection %r from %s; vLLM at %s", settings.chroma.collection,
                  settings.chroma.url or settings.chroma.path, settings.vllm.url)
         try:

@@ -3,18 +3,18 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import asdict, dataclass, field, replace
 
-from app.errors import BadRequest, ContextTooLong, ServiceError, StoreUnavailable, UpstreamUnavailable
+from app.errors import BadRequest, ContextTooLong, StoreUnavailable, UpstreamUnavailable
 from app.llm import Completion, Delta, LLMClient
 from app.metrics import ServiceMetrics
 from app.rag.affinity import affinity_key
 from app.rag.budget import OverBudget, TokenEstimator, fit_to_budget
+from app.rag.collection import CollectionWatcher
 from app.rag.context import ContextChunk, PromptBuilder
 from app.rag.conversation import Turn, conversation_messages, new_context_per_turn
 from app.rag.lru import AsyncLRU
@@ -27,7 +27,6 @@ from app.rag.warmup import Warmer
 from app.settings import GenerationSettings, TrafficSettings
 
 log = logging.getLogger("prefixrag.service")
-_UNSEEN = object()
 RETRIEVAL_CACHE_SIZE = 1024
 
 
@@ -70,14 +69,14 @@ class RAGService:
         self.rules = RequestRules(settings)
         self._retrievals: AsyncLRU[list[ContextChunk]] = AsyncLRU(RETRIEVAL_CACHE_SIZE)
         self._first_contexts: AsyncLRU[list[ContextChunk]] = AsyncLRU(RETRIEVAL_CACHE_SIZE)
-        self.collection_problem: str | None = "collection not checked yet"  # kept by watch_collection
+        self.collection = CollectionWatcher(retriever, self._collection_changed)
 
     def readiness(self) -> dict:
         """Can it answer now? vLLM's status (``Upstream.status``), not ready while the collection is missing or
         unreadable; pre-warm's progress and the load are reported, never waited for."""
         status = self.upstream.status()
-        if self.collection_problem:
-            status |= {"ready": False, "reason": self.collection_problem}
+        if self.collection.problem:
+            status |= {"ready": False, "reason": self.collection.problem}
         traffic = self.traffic
         return status | {"warmup": asdict(self.warmer.progress),
                          "traffic": {"present": traffic.present, "max_in_flight": traffic.max_in_flight,
@@ -207,39 +206,8 @@ class RAGService:
         cap = self.settings.context_budget_tokens or max_model_len
         return min(cap, max_model_len) - max_tokens
 
-    async def watch_collection(self, interval_s: float) -> None:
-        """Poll the collection's generation stamp; when an ingest changed it, drop everything cached of it
-        (Chroma's embedded state, chat retrievals, units, the corpus) and re-warm for the new content."""
-        seen: object = _UNSEEN  # the first look only records what start-up already loaded
-        while True:
-            try:
-                now = await self.retriever.generation()
-                if now is None:
-                    self.collection_problem = (f"collection {self.retriever.chroma.collection!r} does not exist: "
-                                               "ingest documents first")
-                changed = seen is not _UNSEEN and now != seen
-                if changed:
-                    if now is None:  # deleted under us: answer 503 from now on, never from a stale handle
-                        log.warning("collection %r is gone (store deleted?): requests get 503 until the next "
-                                    "ingest", self.retriever.chroma.collection)
-                    else:
-                        log.info("collection %r changed (an ingest ran): reloading and re-warming",
-                                 self.retriever.chroma.collection)
-                    await self._collection_changed(rewarm=now is not None)
-                if now is not None:
-                    if changed or seen is _UNSEEN:
-                        # Load the vector index and run the encoder once now: not ready until a question would
-                        # not pay for either (the first one took 0.6 s against 0.1 s after).
-                        await self.retriever.retrieve("prime the index", 1)
-                    self.collection_problem = None
-                seen = now
-            except ServiceError as exc:
-                if self.collection_problem != exc.message:  # once per state change
-                    log.warning("cannot check the collection for changes: %s", exc.message)
-                self.collection_problem = exc.message
-            await asyncio.sleep(interval_s)
-
     async def _collection_changed(self, rewarm: bool) -> None:
+        """An ingest changed the collection (or it is gone): drop everything cached of it; re-warm."""
         self.retriever.reopen()
         self._retrievals.clear()
         self._first_contexts.clear()
