@@ -102,8 +102,9 @@ def lexical_ids(settings) -> set[str]:
 
 
 def paragraphs() -> list[str]:
-    """Real prose of every size up to ~1K characters: the paragraphs of this project's own docs."""
-    files = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    """Real prose of every size up to ~1K characters that does not change with the README: the paragraphs of the
+    project's sample docs and of its LICENSE (Apache-2.0)."""
+    files = [*sorted((ROOT / "docs").glob("*.md")), ROOT / "LICENSE"]
     return [p for f in files for p in f.read_text(encoding="utf-8").split("\n\n") if 120 < len(p) < 1000]
 
 

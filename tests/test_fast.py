@@ -19,11 +19,11 @@ from tests.servers import AppServer
 
 @pytest.fixture(scope="module")
 def notes(tmp_path_factory, embedder):
-    """The project's paragraphs as small jsonl documents, grouped into pages of ~1K tokens."""
+    """Paragraphs as small jsonl documents, grouped into pages of ~512 tokens."""
     base = tmp_path_factory.mktemp("fast")
     texts = write_notes(base / "docs")
     settings = app_settings(base / "chroma", "http://unused/v1", collection="notes")
-    settings.pages.tokens = 1024
+    settings.pages.tokens = 512
     run_ingest([base / "docs"], settings, embedder)
     return base / "chroma", texts, pages.load(pages.path_of(settings.chroma))
 

@@ -12,7 +12,7 @@ from ingest.pipeline import run_ingest
 from tests.corpora import app_settings, collection_of, floor_block, write_notes
 from tests.servers import AppServer, reset_prefix_cache
 
-PAGE_TOKENS = 1024  # ~4K characters: the ~80 paragraphs of write_notes make a dozen pages or so
+PAGE_TOKENS = 512  # ~2K characters: the 35 paragraphs of write_notes make half a dozen pages or so
 
 
 def paged(settings):
