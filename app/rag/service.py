@@ -77,11 +77,7 @@ class RAGService:
         status = self.upstream.status()
         if self.collection.problem:
             status |= {"ready": False, "reason": self.collection.problem}
-        traffic = self.traffic
-        return status | {"warmup": asdict(self.warmer.progress),
-                         "traffic": {"present": traffic.present, "max_in_flight": traffic.max_in_flight,
-                                     "max_queued": traffic.max_queued, "refused": traffic.refused,
-                                     "warmup_yields": traffic.yields}}
+        return status | {"warmup": asdict(self.warmer.progress), "traffic": asdict(self.traffic.status())}
 
     def answer_stream(self, query: Query) -> AsyncGenerator[Delta | Answer, None]:
         """``/ask``: a one-turn conversation. Yields answer deltas as vLLM produces them, then one ``Answer``.

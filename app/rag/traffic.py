@@ -15,6 +15,7 @@ import contextvars
 import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from dataclasses import dataclass
 from typing import TypeVar
 
 from app.errors import Overloaded
@@ -25,6 +26,17 @@ MAX_RETRY_AFTER_S = 60
 # use a thread of their own, never the ones that embed and query for users.
 BACKGROUND: contextvars.ContextVar[Callable[[], Awaitable[object]] | None] = contextvars.ContextVar(
     "background", default=None)
+
+
+@dataclass(frozen=True)
+class TrafficStatus:
+    """The load as ``/readyz`` reports it."""
+
+    present: int  # user requests admitted: in flight or queued
+    max_in_flight: int
+    max_queued: int
+    refused: int  # answered 429 since start
+    warmup_yields: int  # background requests aborted for a user since start
 
 
 class LiveTraffic:
@@ -41,6 +53,9 @@ class LiveTraffic:
     @property
     def queued(self) -> int:
         return max(0, self.present - self.max_in_flight)
+
+    def status(self) -> TrafficStatus:
+        return TrafficStatus(self.present, self.max_in_flight, self.max_queued, self.refused, self.yields)
 
     @contextlib.asynccontextmanager
     async def slot(self) -> AsyncIterator[None]:
