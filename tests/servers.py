@@ -22,6 +22,7 @@ class AppServer:
     """The real app on a real port, in a background thread (uvicorn runs its lifespan)."""
 
     def __init__(self, app) -> None:
+        self.app = app
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))

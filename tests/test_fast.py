@@ -32,10 +32,7 @@ def serve(notes, embedder, **generation):
     chroma, _, _ = notes
     fake = FakeVLLM()
     settings = app_settings(chroma, "http://unused/v1", collection="notes", hotness_dir=None, **generation)
-    app = create_app(settings, embedder=embedder, llm=fake)
-    server = AppServer(app)
-    server.app = app
-    return server, fake
+    return AppServer(create_app(settings, embedder=embedder, llm=fake)), fake
 
 
 def ask(server, **body) -> httpx.Response:
