@@ -105,3 +105,29 @@ def test_an_empty_hotness_dir_turns_persistence_off(monkeypatch):
 
     monkeypatch.setenv("RAG_GENERATION__HOTNESS_DIR", "")  # was Path(""): hotness files written into the cwd
     assert Settings(_env_file=None).generation.hotness_dir is None
+
+
+def test_a_source_filter_shows_no_document_from_another_source(tmp_path, embedder):
+    """Pages (and the corpus) group documents across sources; a request filtered to one source must not see the
+    others: its hit's own document is the unit then."""
+    import json
+
+    docs, texts = tmp_path / "docs", write_notes(tmp_path / "docs")
+    (docs / "copies.jsonl").write_text("".join(json.dumps({"id": f"copy-{i:03d}", "text": texts[f"para-{i:03d}"]})
+                                               + "\n" for i in range(3)))  # same text: same page as the original
+    settings = app_settings(tmp_path / "chroma", "http://unused/v1", collection="two-sources", hotness_dir=None,
+                            strategy="document", top_k=1)
+    settings.pages.tokens = 512
+    run_ingest([docs], settings, embedder)
+    fake = FakeVLLM()
+    with AppServer(create_app(settings, embedder=embedder, llm=fake)) as server:
+        server.wait_ready()
+        question = texts["para-000"][:300]
+        everywhere = ask(server, question=question).json()
+        unfiltered = fake.prompts[-1][1]["content"]
+        scoped = ask(server, question=question, filters={"source_prefix": "notes"}).json()
+        filtered = fake.prompts[-1][1]["content"]
+    assert 'id="copy-000"' in unfiltered and 'id="para-000"' in unfiltered  # one page, two sources
+    assert [s["document"] for s in everywhere["sources"]] == ["copy-000"]  # the tie goes to the lower id
+    assert [s["document"] for s in scoped["sources"]] == ["para-000"]
+    assert 'id="para-000"' in filtered and "copy-" not in filtered

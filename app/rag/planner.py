@@ -39,10 +39,11 @@ class ContextPlanner:
     def name(self) -> str:
         return self.active.name
 
-    async def arrange(self, ranked: list[ContextChunk], budget: int, stable: bool = False) -> list[ContextChunk]:
+    async def arrange(self, ranked: list[ContextChunk], budget: int, stable: bool = False,
+                      scoped: bool = False) -> list[ContextChunk]:
         """The prompt's context for these hits; ``budget`` is the request's prompt-token budget; ``stable``: a
-        pure function of the hits (see ``Canonical.arrange``)."""
-        return await self.active.arrange(ranked, budget, stable)
+        pure function of the hits; ``scoped``: the request filters sources (see ``ContextStrategy.arrange``)."""
+        return await self.active.arrange(ranked, budget, stable, scoped)
 
     def strategy_for(self, arranged: list[ContextChunk]) -> str:
         """The strategy that actually built this context (corpus degrades to canonical when it cannot fit)."""

@@ -136,7 +136,9 @@ class RAGService:
         another app process) rebuilds it as a pure function of the hits."""
         key = (question, talk.top_k, talk.source_prefix, budget)
         stable = later  # only reached when not remembered
-        return await self._first_contexts.get(key, lambda: self.planner.arrange(ranked, budget, stable=stable))
+        scoped = talk.source_prefix is not None
+        return await self._first_contexts.get(
+            key, lambda: self.planner.arrange(ranked, budget, stable=stable, scoped=scoped))
 
     async def _fit(self, plan: Plan, system: str, budget: int,
                    estimator: TokenEstimator | None) -> tuple[list[dict], list[ContextChunk]]:

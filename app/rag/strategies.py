@@ -31,9 +31,12 @@ class ContextStrategy(Protocol):
 
     name: str
 
-    async def arrange(self, ranked: list[ContextChunk], budget: int, stable: bool = False) -> list[ContextChunk]:
+    async def arrange(self, ranked: list[ContextChunk], budget: int, stable: bool = False,
+                      scoped: bool = False) -> list[ContextChunk]:
         """The context for these hits. ``stable``: a pure function of ``ranked`` (no state read), for a
-        conversation's first turn, which is rebuilt on every later turn and must come out the same."""
+        conversation's first turn, which is rebuilt on every later turn and must come out the same.
+        ``scoped``: the request filters sources, so nothing may be shown beyond the hits' own documents (no
+        page, no corpus)."""
         ...
 
     def served(self, kept: list[ContextChunk]) -> None:
@@ -44,7 +47,8 @@ class ContextStrategy(Protocol):
 class Canonical:
     name = "canonical"
 
-    async def arrange(self, ranked: list[ContextChunk], budget: int, stable: bool = False) -> list[ContextChunk]:
+    async def arrange(self, ranked: list[ContextChunk], budget: int, stable: bool = False,
+                      scoped: bool = False) -> list[ContextChunk]:
         return canonical(ranked)
 
     def served(self, kept: list[ContextChunk]) -> None:
@@ -64,13 +68,14 @@ class Document(Canonical):
                  ) -> None:
         self.units, self.hotness, self.max_units, self.quorum = units, hotness, max_units, quorum
 
-    async def arrange(self, ranked: list[ContextChunk], budget: int, stable: bool = False) -> list[ContextChunk]:
+    async def arrange(self, ranked: list[ContextChunk], budget: int, stable: bool = False,
+                      scoped: bool = False) -> list[ContextChunk]:
         if not ranked:
             return []
         hits = {c.id: c for c in ranked}
-        if self.units.page_of(ranked[0]) is not None:
+        if not scoped and self.units.page_of(ranked[0]) is not None:
             return await self._paged(ranked, hits, stable)
-        key, chunks = await self.units.unit_for(ranked[0])
+        key, chunks = await self.units.unit_for(ranked[0], paged=not scoped)
         units, inside = {key: as_unit(chunks, ranked[0].rank, hits)}, {c.id for c in chunks}
         room = estimate_tokens(ranked) - estimate_tokens(chunks)
         if room <= 0:
@@ -80,7 +85,7 @@ class Document(Canonical):
         for hit in ranked[1:]:  # best-ranked first
             if hit.id in inside:
                 continue
-            key, chunks = await self.units.unit_for(hit)
+            key, chunks = await self.units.unit_for(hit, paged=not scoped)
             if key not in units and len(units) != self.max_units and estimate_tokens(chunks) <= room:
                 units[key] = as_unit(chunks, hit.rank, hits)
                 inside |= {c.id for c in chunks}
@@ -123,7 +128,8 @@ class Reuse(Canonical):
     def __init__(self, trie: ServedTrie) -> None:
         self.trie = trie
 
-    async def arrange(self, ranked: list[ContextChunk], budget: int, stable: bool = False) -> list[ContextChunk]:
+    async def arrange(self, ranked: list[ContextChunk], budget: int, stable: bool = False,
+                      scoped: bool = False) -> list[ContextChunk]:
         if stable:  # the trie changes with every request
             return canonical(ranked)
         by_id = {c.id: c for c in ranked}
@@ -152,9 +158,11 @@ class Corpus(Canonical):
         self.chunks = [replace(c, unit=c.parent, retrieved=False) for c in chunks]
         return self.chunks
 
-    async def arrange(self, ranked: list[ContextChunk], budget: int, stable: bool = False) -> list[ContextChunk]:
-        if not self.fits or self.chunks is None or self.tokens > budget - QUESTION_HEADROOM_TOKENS:
-            # Too large for the window (startup said so), or for this request's answer budget: canonical.
+    async def arrange(self, ranked: list[ContextChunk], budget: int, stable: bool = False,
+                      scoped: bool = False) -> list[ContextChunk]:
+        if scoped or not self.fits or self.chunks is None or self.tokens > budget - QUESTION_HEADROOM_TOKENS:
+            # A source filter (the corpus shows every source), too large for the window (startup said so), or
+            # for this request's answer budget: canonical.
             return canonical(ranked)
         # One rank for the whole corpus: it is kept or trimmed as a unit, never re-ordered.
         return as_unit(self.chunks, 0, {c.id: c for c in ranked})

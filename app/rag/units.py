@@ -47,10 +47,11 @@ class UnitIndex:
         index = self.retriever.page_index()
         return index.page_of(chunk.parent) if index is not None else None
 
-    async def unit_for(self, hit: ContextChunk) -> tuple[str, list[ContextChunk]]:
+    async def unit_for(self, hit: ContextChunk, paged: bool = True) -> tuple[str, list[ContextChunk]]:
         """(unit key, its chunks in natural order, tagged with the key) for a retrieved chunk. A page's chunks
-        are tagged with their own parent: the page renders as its documents, one header each."""
-        if (page := self.page_of(hit)) is not None:
+        are tagged with their own parent: the page renders as its documents, one header each. ``paged=False``:
+        the hit's own document (or window), even when it was grouped into a page."""
+        if paged and (page := self.page_of(hit)) is not None:
             # Cached beside the parents under a key no parent id has.
             return page, await self._parents.get(f"\0{page}", lambda: self._fetch_page(page))
         key, chunks = await self._locate(hit)
