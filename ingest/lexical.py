@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from app.settings import ChromaSettings
-from ingest.store import GENERATION_KEY, all_rows, derived_dir
+from ingest.store import all_rows, derived_dir, stamp_of
 
 META = "prefixrag-lexical.json"
 _per_thread = threading.local()
@@ -45,10 +45,6 @@ def _stemmer():
     if not hasattr(_per_thread, "stemmer"):
         _per_thread.stemmer = Stemmer.Stemmer("english")
     return _per_thread.stemmer
-
-
-def stamp_of(collection) -> tuple[str, int]:
-    return (collection.metadata or {}).get(GENERATION_KEY, ""), collection.count()
 
 
 @dataclass

@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from app.settings import ChromaSettings, PageSettings
-from ingest.store import GENERATION_KEY, all_rows, derived_dir
+from ingest.store import all_rows, derived_dir, stamp_of
 
 CHARS_PER_TOKEN = 4.0  # rough chars per LLM token: sizes here only decide what is small and what fits a page
 SMALL_SHARE = 0.5  # a parent is paged when it is at most this share of a page
@@ -103,9 +103,9 @@ def _pack(leaves: list[list[int]], tokens: np.ndarray, limit: float) -> list[lis
 
 def build(collection, size: int, previous: PageIndex | None = None) -> PageIndex:
     """Pages of about ``size`` tokens (0: none), keeping ``previous``'s where it was built for that size."""
-    generation = (collection.metadata or {}).get(GENERATION_KEY, "")
+    generation, count = stamp_of(collection)
     if not size:
-        return PageIndex(generation, collection.count(), size)
+        return PageIndex(generation, count, size)
     parents = read_parents(collection)
     small = {k: i for i, k in enumerate(parents.keys) if parents.tokens[i] <= SMALL_SHARE * size}
     kept = {key: [p for p in members if p in small]
@@ -119,7 +119,7 @@ def build(collection, size: int, previous: PageIndex | None = None) -> PageIndex
     number = 1 + max((int(key.rsplit("-", 1)[1]) for key in kept), default=0)
     for offset, members in enumerate(fresh):
         kept[f"page-{number + offset:05d}"] = [leftovers[i] for i in members]
-    return PageIndex(generation, collection.count(), size, {key: kept[key] for key in sorted(kept)})
+    return PageIndex(generation, count, size, {key: kept[key] for key in sorted(kept)})
 
 
 def _join_nearest(kept: dict[str, list[str]], newcomers: list[str], small: dict[str, int], parents: Parents,
@@ -171,8 +171,7 @@ def current(collection, cfg: ChromaSettings, settings: PageSettings, *, write: b
     path = path_of(cfg)
     saved = load(path)
     size = saved.tokens if saved is not None and not write else settings.tokens
-    generation = (collection.metadata or {}).get(GENERATION_KEY, "")
-    if saved is not None and saved.stamp == (generation, collection.count(), size):
+    if saved is not None and saved.stamp == (*stamp_of(collection), size):
         return saved
     index = build(collection, size, previous=saved)
     if write:

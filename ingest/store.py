@@ -100,6 +100,11 @@ def derived_dir(cfg: ChromaSettings, kind: str) -> Path:
     return Path(cfg.path) / f"prefixrag-{kind}" / cfg.collection
 
 
+def stamp_of(collection) -> tuple[str, int]:
+    """(generation, row count): what an index derived from the collection must match to be current."""
+    return (collection.metadata or {}).get(GENERATION_KEY, ""), collection.count()
+
+
 def mark_changed(collection) -> None:
     """Renew the collection's generation stamp (under the write lock): services drop what they cached of it."""
     collection.modify(metadata={**(collection.metadata or {}), GENERATION_KEY: uuid.uuid4().hex})

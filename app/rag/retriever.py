@@ -132,9 +132,11 @@ class Retriever:
         """The collection's pages (``ingest.pages``), loaded or rebuilt like the BM25 index."""
         return self._index("pages", lambda c: pages.current(c, self.chroma, self.paging, write=False), wait)
 
-    async def indexes_ready(self) -> None:
-        """Wait (without blocking the loop) until both derived indexes are loaded or built."""
-        for kind, build in (("lexical", self.lexical_index), ("pages", self.page_index)):
+    async def indexes_ready(self, kinds: tuple[str, ...] = ("lexical", "pages")) -> None:
+        """Wait (without blocking the loop) until these derived indexes are loaded or built."""
+        loaders = {"lexical": self.lexical_index, "pages": self.page_index}
+        for kind in kinds:
+            build = loaders[kind]
             if build() is None:
                 with contextlib.suppress(Exception):  # a failed build raises below, as StoreUnavailable
                     await asyncio.wrap_future(self._derived[kind])

@@ -126,7 +126,7 @@ class Warmer:
 
     async def _warm_units(self) -> None:
         """Hottest units first (persisted use; before any traffic: biggest first). A page is one unit."""
-        await self.planner.retriever.indexes_ready()  # which parents are paged
+        await self.planner.retriever.indexes_ready(("pages",))  # which parents are paged (BM25 is not needed)
         metas = await self.planner.retriever.chunks_where(None, texts=False)  # which parents, how big
         units = self.planner.units
         sizes: Counter[str] = Counter()
