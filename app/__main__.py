@@ -24,8 +24,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from app.core.settings import Settings
     from app.observability import configure_logging
-    from app.settings import Settings
 
     args = parse_args(argv)
     # Flags become the settings' own variables, so a --reload worker process reads them too.

@@ -5,12 +5,13 @@ from __future__ import annotations
 from typing import Annotated
 
 from fastapi import Depends, Request
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
-from app.edge import bearer_ok
+from app.core.settings import Settings
+from app.edge import key_matches
 from app.errors import Unauthorized
 from app.metrics import ServiceMetrics
 from app.rag.service import RAGService
-from app.settings import Settings
 
 
 def get_settings(request: Request) -> Settings:
@@ -30,12 +31,24 @@ ServiceDep = Annotated[RAGService, Depends(get_service)]
 MetricsDep = Annotated[ServiceMetrics, Depends(get_metrics)]
 
 
-def require_api_key(request: Request, settings: SettingsDep) -> None:
-    """Optional Bearer key (RAG_API_KEY), compared in constant time."""
+# In the OpenAPI schema as the bearer scheme; absent or not "Bearer" gives None, and the check below answers 401
+# in OpenAI's error shape (HTTPBearer's own error would be FastAPI's, and 403).
+bearer = HTTPBearer(auto_error=False, description="RAG_API_KEY, when the service is started with one.")
+
+
+def holds_key(settings: SettingsDep,
+              credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]) -> bool:
+    """The caller may pass: no RAG_API_KEY is set, or it sent that key (compared in constant time)."""
     expected = settings.service.api_key
-    if not expected:
-        return
-    if not bearer_ok(request.headers.get("authorization", ""), expected):
+    return not expected or (credentials is not None and key_matches(credentials.credentials, expected))
+
+
+HoldsKey = Annotated[bool, Depends(holds_key)]
+
+
+def require_api_key(allowed: HoldsKey) -> None:
+    """Requests with a body were already checked at the edge (``app.edge``), before their body was read."""
+    if not allowed:
         raise Unauthorized("missing or invalid API key: send 'Authorization: Bearer <RAG_API_KEY>'")
 
 

@@ -18,10 +18,14 @@ from app.protocol import error_body
 BODYLESS = frozenset({"GET", "HEAD", "OPTIONS", "DELETE"})
 
 
+def key_matches(token: str, expected: str) -> bool:
+    return hmac.compare_digest(token.strip().encode(), expected.encode())  # constant time
+
+
 def bearer_ok(authorization: str, expected: str) -> bool:
-    """A constant-time check of ``Authorization: Bearer <key>``."""
+    """``Authorization: Bearer <key>`` with the expected key."""
     scheme, _, token = authorization.partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), expected.encode())
+    return scheme.lower() == "bearer" and key_matches(token, expected)
 
 
 def unauthorized() -> JSONResponse:

@@ -3,19 +3,18 @@ routing headers (prefix affinity for vllm-router), limits and retries slot in he
 
 from __future__ import annotations
 
-import re
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
 import openai
 from openai import AsyncOpenAI
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
 
+from app.core.settings import VLLMSettings
 from app.errors import BadRequest, ContextTooLong, UpstreamError, UpstreamTimeout, UpstreamUnavailable
-from app.settings import VLLMSettings
-
-_LABELS = re.compile(r'(\w+)="([^"]*)"')
 
 
 @dataclass
@@ -41,12 +40,16 @@ class Delta:
 class LLMClient:
     def __init__(self, settings: VLLMSettings) -> None:
         self.settings = settings
-        self.model: str | None = settings.model
+        self.model: str | None = settings.model  # the configured one, then what vLLM serves (``use_model``)
         self.openai = AsyncOpenAI(base_url=settings.url, api_key=settings.api_key, timeout=settings.timeout_s,
                                   max_retries=0)  # retry policy is ours (readiness monitor), not the SDK's
         root = settings.url.rstrip("/").removesuffix("/v1")
         self.http = httpx.AsyncClient(base_url=root, timeout=settings.timeout_s,
                                       headers={"Authorization": f"Bearer {settings.api_key}"})
+
+    def use_model(self, model: str) -> None:
+        """Name ``model`` in every request from now on (the readiness monitor publishes what vLLM serves)."""
+        self.model = model
 
     async def aclose(self) -> None:
         await self.openai.close()
@@ -172,21 +175,25 @@ def _upstream_message(response: httpx.Response) -> str:
         return response.text[:500]
 
 
+def _samples(metrics_text: str, name: str) -> Iterator[Sample]:
+    """Every sample named ``name`` (``vllm:prompt_tokens_total``, ``..._count``), as prometheus_client parses it.
+    Only those lines go to the parser: all of vLLM's /metrics takes it ~10 ms, and the monitor runs on the loop."""
+    wanted = "".join(line + "\n" for line in metrics_text.splitlines() if line.startswith((name + "{", name + " ")))
+    try:
+        for family in text_string_to_metric_families(wanted):
+            yield from (sample for sample in family.samples if sample.name == name)
+    except ValueError as exc:  # not Prometheus text (a proxy's error page): vLLM is not what answered
+        raise UpstreamError(f"unreadable /metrics: {exc}") from exc
+
+
 def parse_metric_labels(metrics_text: str, name: str) -> dict[str, str] | None:
     """Labels of the first sample of an info-style gauge, e.g. ``vllm:cache_config_info``."""
-    for line in metrics_text.splitlines():
-        if line.startswith(name + "{"):
-            return dict(_LABELS.findall(line[len(name):line.rindex("}") + 1]))
-    return None
+    return next((dict(sample.labels) for sample in _samples(metrics_text, name)), None)
 
 
 def metric_total(metrics_text: str, name: str) -> float:
     """Sum of all samples of a counter (all engines/models)."""
-    total = 0.0
-    for line in metrics_text.splitlines():
-        if line.startswith(name + "{") or line.startswith(name + " "):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
+    return sum(sample.value for sample in _samples(metrics_text, name))
 
 
 def replicas_of(response: httpx.Response) -> list[Replica] | None:

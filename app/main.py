@@ -9,10 +9,10 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
+from app.core.settings import Settings
 from app.edge import RequestEdge
 from app.http_errors import install_error_handlers
 from app.observability import observe
-from app.settings import Settings
 
 log = logging.getLogger("prefixrag")
 

@@ -7,6 +7,7 @@ import asyncio
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from app.core.settings import GenerationSettings, Settings, TrafficSettings
 from app.llm import LLMClient
 from app.metrics import ServiceMetrics
 from app.rag.context import PromptBuilder
@@ -14,7 +15,6 @@ from app.rag.prompts import PromptTemplates
 from app.rag.retriever import Retriever
 from app.rag.service import RAGService
 from app.rag.upstream import Upstream
-from app.settings import GenerationSettings, Settings, TrafficSettings
 
 
 @dataclass
@@ -47,7 +47,7 @@ async def build_services(settings: Settings, *, embedder=None, metrics: ServiceM
     """Templates first (a broken one fails fast), then the retrieve threads, the encoder (loaded now, not by the
     first question; or ``embedder``, shared by tests and benchmarks), the vLLM client (or ``llm``: the one seam
     where the fast test tier puts its fake vLLM) and monitor, the retriever."""
-    from ingest.embedder import Embedder, limit_threads
+    from app.core.embedder import Embedder, limit_threads
 
     templates = PromptTemplates.load(settings.service.prompts_dir)
     # Torch fixes a thread's pool size on first use, hence the initializer (RAG_EMBEDDING__QUERY_THREADS).
@@ -57,5 +57,6 @@ async def build_services(settings: Settings, *, embedder=None, metrics: ServiceM
         executor, lambda: Embedder(settings.embedding).load())
     llm = llm or LLMClient(settings.vllm)
     retriever = Retriever(encoder, settings.chroma, executor, settings.retrieval, settings.pages)
-    return Services(settings, executor, encoder, llm, Upstream(llm, settings.vllm), retriever, templates,
-                    metrics or ServiceMetrics())
+    upstream = Upstream(llm, settings.vllm)
+    upstream.subscribe(lambda info: llm.use_model(info.model))
+    return Services(settings, executor, encoder, llm, upstream, retriever, templates, metrics or ServiceMetrics())

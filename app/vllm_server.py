@@ -13,7 +13,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from app.settings import Settings, VLLMServerSettings
+from app.core.settings import Settings, VLLMServerSettings
 
 TEST_MODEL_NAME = "prefixrag-test-model"
 

@@ -9,10 +9,10 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+from app.core.settings import GenerationSettings, Settings, TrafficSettings
 from app.metrics import ServiceMetrics
 from app.rag.service import RAGService
 from app.services import build_services
-from app.settings import GenerationSettings, Settings, TrafficSettings
 from bench.ceiling import BlockCacheCeiling
 from bench.fleet import Fleet, difference
 from bench.modes import Record, run_naive, run_prefixrag
@@ -24,7 +24,7 @@ MATCH_K_MAX = 100
 class Harness:
     @classmethod
     async def create(cls, dataset, vllm_url: str, chroma: Path, args) -> Harness:
-        from ingest.embedder import Embedder
+        from app.core.embedder import Embedder
         from ingest.pipeline import run_ingest
 
         self = cls()

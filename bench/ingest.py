@@ -48,10 +48,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, help="JSON output (default bench/results/ingest-<name>.json)")
     args = parser.parse_args(argv)
 
-    from app.settings import Settings
-    from ingest.embedder import Embedder
+    from app.core.embedder import Embedder
+    from app.core.settings import Settings
+    from app.core.store import open_collection
     from ingest.pipeline import run_ingest
-    from ingest.store import open_collection
 
     settings = Settings(_env_file=None)
     embedder = Embedder(settings.embedding)

@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 import httpx
+from httpx_sse import aconnect_sse
 
 from bench.common import environment, write_json
 from bench.stats import percentile
@@ -90,10 +91,11 @@ def main(argv: list[str] | None = None) -> int:
 
 def prepare_corpus(args: argparse.Namespace, collection: str) -> list[str]:
     """Ingest (idempotent: a re-run only checks) and draw questions from the stored headings."""
-    from app.settings import Settings
-    from ingest.embedder import Embedder
+    from app.core.embedder import Embedder
+    from app.core.records import ChunkRecord
+    from app.core.settings import Settings
+    from app.core.store import open_collection
     from ingest.pipeline import run_ingest
-    from ingest.store import open_collection
 
     settings = Settings(_env_file=None)
     settings.chroma.path, settings.chroma.collection = args.chroma, collection
@@ -101,7 +103,8 @@ def prepare_corpus(args: argparse.Namespace, collection: str) -> list[str]:
     report = run_ingest([args.data], settings, embedder)
     metas = open_collection(settings.chroma, embedder, create=False).get(include=["metadatas"])["metadatas"]
     print(f"corpus: {len(metas)} chunks ({report.chunks_written} written now)", flush=True)
-    headings = sorted({(m.get("headings") or m.get("title") or "").split(" > ")[-1].strip() for m in metas} - {""})
+    records = [ChunkRecord.from_metadata(meta) for meta in metas]
+    headings = sorted({(r.headings or r.title).split(" > ")[-1].strip() for r in records} - {""})
     return [f"What is {h}?" for h in random.Random(42).sample(headings, args.questions)]
 
 
@@ -156,12 +159,14 @@ async def timed_question(client: httpx.AsyncClient, question: str, started: floa
     warming = (await client.get("/readyz")).json()["warmup"]["state"] == "warming"
     sent = time.monotonic()
     first, done = None, {}
-    async with client.stream("POST", "/ask", json={"question": question, "stream": True}) as response:
-        async for line in response.aiter_lines():
-            if first is None and line.startswith("event: delta"):
-                first = time.monotonic()
-            elif line.startswith("data: ") and '"timings_ms"' in line:
-                done = json.loads(line.removeprefix("data: "))
+    async with aconnect_sse(client, "POST", "/ask", json={"question": question, "stream": True}) as source:
+        response = source.response
+        if response.status_code == 200:  # else a JSON error body (429, 503), not a stream
+            async for event in source.aiter_sse():
+                if first is None and event.event == "delta":
+                    first = time.monotonic()
+                elif event.event == "done":
+                    done = event.json()
     await asyncio.sleep(gap_s)
     return {"question": question, "t_s": round(sent - started, 2), "status": response.status_code,
             "ttft_ms": round(((first or time.monotonic()) - sent) * 1000, 1), "warming": warming,

@@ -63,7 +63,7 @@ async def run_prefixrag(question, k: int, service, max_tokens: int) -> Record:
             record.doc_ids = {c.doc_id for c in event.context}  # recall: is the gold passage in the prompt?
             record.messages = event.messages
             record.prefix_key = affinity_key(event.context)
-            record.overhead_s = (event.timings_ms["retrieve"] + event.timings_ms["assemble"]) / 1000
+            record.overhead_s = (event.timings_ms.retrieve + event.timings_ms.assemble) / 1000
             return _finish(record, event.completion, started)
     raise AssertionError("no answer")
 

@@ -31,8 +31,8 @@ SENTENCES = [f"Harbour log entry {n}: the tide turned at {n % 12} o'clock and th
 
 
 def big_document_ingest(tmp: Path) -> dict:
-    from app.settings import Settings
-    from ingest.embedder import Embedder
+    from app.core.embedder import Embedder
+    from app.core.settings import Settings
     from ingest.loaders import load_file
     from ingest.pipeline import chunker_for, run_ingest
 
@@ -48,7 +48,7 @@ def big_document_ingest(tmp: Path) -> dict:
     expected = len(chunker_for(settings, embedder).chunk(load_file(docs / "manual.txt", "manual.txt")[0]))
     started = time.perf_counter()
     report = run_ingest([docs], settings, embedder)
-    from ingest.store import open_collection
+    from app.core.store import open_collection
 
     stored = open_collection(settings.chroma, embedder, create=False).count()
     return {"bytes": len(text.encode()), "expected_chunks": expected, "stored_chunks": stored,

@@ -52,7 +52,7 @@ def server_means(before: str, after: str) -> dict[str, float | None]:
     return means
 
 
-AFFINITY_HEADER = "X-Session-ID"  # what vllm-router's consistent_hash reads (app.settings.VLLMSettings)
+AFFINITY_HEADER = "X-Session-ID"  # what vllm-router's consistent_hash reads (app.core.settings.VLLMSettings)
 
 
 def routing(row: dict) -> dict[str, str]:

@@ -35,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def settings_from(args: argparse.Namespace):
-    from app.settings import Settings
+    from app.core.settings import Settings
 
     settings = Settings()
     chroma = settings.chroma.model_dump()
@@ -64,9 +64,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from pydantic import ValidationError
 
-        from ingest.embedder import Embedder
+        from app.core.embedder import Embedder
+        from app.core.store import StoreError
         from ingest.pipeline import run_ingest
-        from ingest.store import StoreError
 
         settings = settings_from(args)
         progress.interval_s = settings.ingest.progress_s

@@ -19,13 +19,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from app.settings import Settings
-from ingest import lexical, pages
-from ingest.chunking import Chunk, Chunker
-from ingest.documents import LoadError, SourceDocument, sha256
-from ingest.loaders import is_supported, load_file
-from ingest.report import IngestReport, Progress
-from ingest.store import (
+from app.core import lexical, pages
+from app.core.settings import Settings
+from app.core.store import (
     CollectionMissing,
     StoredDocument,
     mark_changed,
@@ -33,6 +29,10 @@ from ingest.store import (
     stored_documents,
     write_lock,
 )
+from ingest.chunking import Chunk, Chunker
+from ingest.documents import LoadError, SourceDocument, sha256
+from ingest.loaders import is_supported, load_file
+from ingest.report import IngestReport, Progress
 from ingest.writer import ChunkWriter
 
 

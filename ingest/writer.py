@@ -7,9 +7,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from app.core.records import ChunkRecord
+from app.core.store import StoreError
 from ingest.chunking import Chunk
 from ingest.documents import SourceDocument
-from ingest.store import StoreError
 
 
 @dataclass
@@ -133,11 +134,10 @@ class ChunkWriter:
 
 
 def chunk_metadata(document: SourceDocument, chunk: Chunk, doc_hash: str, n_chunks: int) -> dict:
-    # Chroma metadata values must be scalars (no None): absent values are "" or -1.
-    return {
-        "doc_id": document.doc_id, "source": document.source, "title": document.title,
-        "chunk_index": chunk.index, "n_chunks": n_chunks, "start": chunk.start, "end": chunk.end,
-        "headings": " > ".join(chunk.headings), "page": chunk.page if chunk.page is not None else -1,
-        "parent_id": document.parent_id, "parent_pos": document.parent_pos, "kind": document.kind,
-        "content_hash": chunk.content_hash, "doc_hash": doc_hash, "file_hash": document.file_hash,
-    }
+    return ChunkRecord(
+        doc_id=document.doc_id, source=document.source, title=document.title, chunk_index=chunk.index,
+        n_chunks=n_chunks, start=chunk.start, end=chunk.end, headings=" > ".join(chunk.headings),
+        page=chunk.page if chunk.page is not None else -1, parent_id=document.parent_id,
+        parent_pos=document.parent_pos, kind=document.kind, content_hash=chunk.content_hash, doc_hash=doc_hash,
+        file_hash=document.file_hash,
+    ).to_metadata()

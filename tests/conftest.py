@@ -20,15 +20,15 @@ from app.vllm_process import LocalVLLM, free_port, wait_for_http  # noqa: E402  
 
 @pytest.fixture(scope="session")
 def embedder():
-    from app.settings import EmbeddingSettings
-    from ingest.embedder import Embedder
+    from app.core.embedder import Embedder
+    from app.core.settings import EmbeddingSettings
 
     return Embedder(EmbeddingSettings())
 
 
 @pytest.fixture
 def settings_factory(tmp_path):
-    from app.settings import Settings
+    from app.core.settings import Settings
 
     def make(collection: str = "test-docs", path: Path | None = None, **env) -> Settings:
         settings = Settings(_env_file=None)

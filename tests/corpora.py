@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 import random
 
+from app.core.store import open_collection
 from ingest.pipeline import run_ingest
-from ingest.store import open_collection
 from tests.conftest import ROOT
 
 # Four one-chunk documents: with top_k=4 every question retrieves the same SET, in its own relevance order.
@@ -21,7 +21,7 @@ FACTS = {
 def app_settings(chroma_path, vllm_url, collection="facts", **generation):
     """These tests are about the prompt mechanics, so they pin the canonical strategy unless told otherwise."""
     generation.setdefault("strategy", "canonical")
-    from app.settings import Settings
+    from app.core.settings import Settings
 
     settings = Settings(_env_file=None)
     settings.chroma.path, settings.chroma.collection = chroma_path, collection
@@ -37,7 +37,7 @@ def floor_block(tokens: int, block: int) -> int:
 def write_service_collections(base, embedder):
     """facts (four one-chunk documents), project-docs (docs/) and long (24 documents of 250 words, not paged),
     ingested."""
-    from app.settings import PageSettings, Settings
+    from app.core.settings import PageSettings, Settings
 
     facts = base / "facts"
     facts.mkdir()
@@ -95,7 +95,7 @@ def tiny_squad(root):
 
 def lexical_ids(settings) -> set[str]:
     """The chunk ids in the BM25 index ingest saved beside the collection (empty where there is none)."""
-    from ingest import lexical
+    from app.core import lexical
 
     index = lexical.load(lexical.index_dir(settings.chroma))
     return set(index.ids) if index else set()

@@ -7,15 +7,23 @@ the leading blocks already seen. Over-long prompts get vLLM's 400. The answer te
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from types import SimpleNamespace
 
+from app.core.settings import VLLMSettings
 from app.errors import ContextTooLong
 from app.llm import Completion, Delta, LLMClient
-from app.settings import VLLMSettings
 from app.testmodel import CHAT_TEMPLATE
 
 BLOCK = 16
+
+
+@functools.cache
+def _chat_template():
+    from jinja2 import Template
+
+    return Template(CHAT_TEMPLATE)  # compiled once, not per request
 
 
 class FakeVLLM(LLMClient):
@@ -28,9 +36,7 @@ class FakeVLLM(LLMClient):
 
     @staticmethod
     def render(messages: list[dict]) -> str:
-        from jinja2 import Template
-
-        return Template(CHAT_TEMPLATE).render(messages=messages, add_generation_prompt=True)
+        return _chat_template().render(messages=messages, add_generation_prompt=True)
 
     def tokens(self, messages: list[dict]) -> list[str]:
         text = self.render(messages)

@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from app.cluster import ROUTER_FLAGS
-from app.settings import VLLMServerSettings
+from app.core.settings import VLLMServerSettings
 from app.vllm_server import build_command
 from tests.conftest import ROOT
 

@@ -9,8 +9,8 @@ import httpx
 import openai
 import pytest
 
+from app.core import pages
 from app.main import create_app
-from ingest import pages
 from ingest.pipeline import run_ingest
 from tests.corpora import app_settings, floor_block, write_notes
 from tests.fakes import BLOCK, FakeVLLM
@@ -101,7 +101,7 @@ def test_each_chat_turn_extends_the_previous_prompt(notes, embedder):
 
 
 def test_an_empty_hotness_dir_turns_persistence_off(monkeypatch):
-    from app.settings import Settings
+    from app.core.settings import Settings
 
     monkeypatch.setenv("RAG_GENERATION__HOTNESS_DIR", "")  # was Path(""): hotness files written into the cwd
     assert Settings(_env_file=None).generation.hotness_dir is None
@@ -131,3 +131,50 @@ def test_a_source_filter_shows_no_document_from_another_source(tmp_path, embedde
     assert [s["document"] for s in everywhere["sources"]] == ["copy-000"]  # the tie goes to the lower id
     assert [s["document"] for s in scoped["sources"]] == ["para-000"]
     assert 'id="para-000"' in filtered and "copy-" not in filtered
+
+
+def test_the_api_key_is_a_bearer_scheme_in_the_openapi_schema_and_is_enforced(notes, embedder):
+    chroma, _, _ = notes
+    settings = app_settings(chroma, "http://unused/v1", collection="notes", hotness_dir=None)
+    settings.service.api_key = "s3cret"
+    key = {"authorization": "Bearer s3cret"}
+    with AppServer(create_app(settings, embedder=embedder, llm=FakeVLLM())) as server:
+        server.wait_ready()
+        schema = httpx.get(server.url + "/openapi.json").json()
+        statuses = [httpx.get(server.url + "/v1/models", headers=h).status_code
+                    for h in ({}, {"authorization": "Bearer nope"}, {"authorization": "Basic s3cret"}, key)]
+        posted = [ask(server, question="What?").status_code,
+                  httpx.post(server.url + "/ask", json={"question": "What?", "max_tokens": 8}, headers=key,
+                             timeout=30).status_code]
+        ready_open, ready_keyed = httpx.get(server.url + "/readyz").json(), httpx.get(server.url + "/readyz",
+                                                                                        headers=key).json()
+    assert schema["components"]["securitySchemes"]["HTTPBearer"] == {
+        "type": "http", "scheme": "bearer", "description": "RAG_API_KEY, when the service is started with one."}
+    for path, method in (("/ask", "post"), ("/v1/chat/completions", "post"), ("/v1/models", "get"),
+                         ("/metrics", "get")):
+        assert schema["paths"][path][method]["security"] == [{"HTTPBearer": []}], path
+    assert "security" not in schema["paths"]["/healthz"]["get"]
+    assert statuses == [401, 401, 401, 200] and posted == [401, 200]
+    assert set(ready_open) == {"ready", "reason"} and "warmup" in ready_keyed
+
+
+def test_streams_are_server_sent_events_for_ask_and_for_the_openai_client(notes, embedder):
+    from httpx_sse import connect_sse
+
+    server, fake = serve(notes, embedder, top_k=2)
+    with server:
+        server.wait_ready()
+        body = {"question": "What does ingest do?", "stream": True, "max_tokens": 8}
+        with httpx.Client(timeout=30) as client, connect_sse(client, "POST", server.url + "/ask", json=body) as source:
+            events = list(source.iter_sse())
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+        chunks = list(client.chat.completions.create(model="prefixrag", max_tokens=8, stream=True,
+                                                     messages=[{"role": "user", "content": "What does ingest do?"}],
+                                                     stream_options={"include_usage": True}))
+    assert [e.event for e in events] == ["delta"] * (len(events) - 1) + ["done"]
+    done = events[-1].json()
+    assert "".join(e.json()["text"] for e in events[:-1]) == done["answer"]
+    assert done["answer"].strip() == fake.answer
+    assert set(done["timings_ms"]) == {"retrieve", "assemble", "ttft", "total"}
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices).strip() == fake.answer
+    assert chunks[-1].usage.prompt_tokens > 0 and chunks[-2].choices[0].finish_reason

@@ -256,9 +256,9 @@ def test_two_threads_opening_a_store_first_in_a_process_both_succeed(tmp_path, s
     script = f"""
 import threading
 from pathlib import Path
-from app.settings import ChromaSettings
+from app.core.settings import ChromaSettings
 from types import SimpleNamespace
-from ingest.store import open_collection
+from app.core.store import open_collection
 cfg = ChromaSettings(path=Path({str(settings.chroma.path)!r}), collection={settings.chroma.collection!r})
 errors = []
 def open_it():

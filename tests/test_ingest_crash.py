@@ -54,7 +54,7 @@ def test_sigkill_mid_ingest_then_rerun_equals_clean_ingest(tmp_path, settings_fa
     process.wait()
     partial = len(snapshot(crashed, embedder))
     # Before any re-run, a service's lexical view (saved copy or rebuilt) is exactly what Chroma holds.
-    from ingest import lexical
+    from app.core import lexical
 
     assert set(lexical.current(collection_of(crashed, embedder), crashed.chroma, write=False).ids) == set(
         snapshot(crashed, embedder))

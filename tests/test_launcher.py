@@ -7,7 +7,7 @@ import json
 import subprocess
 import sys
 
-from app.settings import VLLMServerSettings
+from app.core.settings import VLLMServerSettings
 from app.testmodel import write_test_model
 from app.vllm_server import build_command
 from tests.conftest import ROOT

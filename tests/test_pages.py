@@ -1,4 +1,4 @@
-"""Pages (``ingest.pages``): small documents grouped by meaning into stable units, and the document strategy
+"""Pages (``app.core.pages``): small documents grouped by meaning into stable units, and the document strategy
 putting a question's page first. Real parts: the packaged embedder, on-disk Chroma, the CPU test model."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
+from app.core import pages
 from app.main import create_app
-from ingest import pages
 from ingest.pipeline import run_ingest
 from tests.corpora import app_settings, collection_of, floor_block, write_notes
 from tests.servers import AppServer, reset_prefix_cache

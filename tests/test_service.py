@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 
 import httpx
 import pytest
+from httpx_sse import connect_sse
 
 from app.llm import metric_total
 from app.main import create_app
@@ -187,13 +187,12 @@ def test_bad_input_is_400_in_openai_error_shape(collections, vllm_url, embedder,
 def test_streaming_ask_sends_deltas_then_sources_and_usage(collections, vllm_url, embedder):
     with AppServer(create_app(app_settings(collections, vllm_url), embedder=embedder)) as server:
         server.wait_ready()
-        with httpx.stream("POST", server.url + "/ask", json={"question": "What do anchors do?", "stream": True},
-                          timeout=60) as response:
-            assert response.headers["content-type"].startswith("text/event-stream")
-            events = [line for line in response.iter_lines() if line.startswith(("event:", "data:"))]
-    kinds = [line.split(": ", 1)[1] for line in events if line.startswith("event:")]
+        body = {"question": "What do anchors do?", "stream": True}
+        with httpx.Client(timeout=60) as client, connect_sse(client, "POST", server.url + "/ask", json=body) as source:
+            assert source.response.headers["content-type"].startswith("text/event-stream")
+            events = list(source.iter_sse())
+    kinds = [event.event for event in events]
     assert kinds[0] == "delta" and kinds[-1] == "done" and "error" not in kinds
-    done = json.loads(events[-1].split(": ", 1)[1])
-    deltas = "".join(json.loads(line.split(": ", 1)[1])["text"]
-                     for line, kind in zip(events[1::2], kinds) if kind == "delta")
+    done = events[-1].json()
+    deltas = "".join(event.json()["text"] for event in events if event.event == "delta")
     assert done["answer"] == deltas and done["sources"] and done["usage"]["prompt_tokens"] > 0

@@ -27,7 +27,7 @@ ARTICLES = {
 
 @pytest.fixture(scope="module")
 def articles_db(tmp_path_factory, embedder):
-    from app.settings import Settings
+    from app.core.settings import Settings
 
     base = tmp_path_factory.mktemp("strategies")
     records = [{"id": f"{t}#{i}", "title": t, "text": text} for t, texts in ARTICLES.items()

@@ -53,9 +53,9 @@ def wait_until(predicate, timeout: float, what: str) -> float:
 
 
 def test_a_background_request_is_aborted_in_vllm_when_a_user_arrives_and_resent_after(vllm_url):
+    from app.core.settings import VLLMSettings
     from app.llm import LLMClient
     from app.rag.traffic import LiveTraffic
-    from app.settings import VLLMSettings
 
     attempts = []
 
@@ -169,7 +169,7 @@ def test_sigterm_drains_for_a_bounded_time_then_exits_leaving_no_vllm_work(colle
 @pytest.fixture(scope="module")
 def books(tmp_path_factory, embedder):
     """24 documents of ~2K words: every unit warm-up is a real prefill (~64K tokens in all, seconds on CPU)."""
-    from app.settings import Settings
+    from app.core.settings import Settings
     from ingest.pipeline import run_ingest
 
     base = tmp_path_factory.mktemp("books")
@@ -265,9 +265,9 @@ def test_pre_warm_sends_a_unit_in_pieces_so_no_warm_up_step_is_long(books, vllm_
 async def test_background_store_reads_wait_while_a_user_request_is_present(collections, embedder):
     from concurrent.futures import ThreadPoolExecutor
 
+    from app.core.settings import Settings
     from app.rag.retriever import Retriever
     from app.rag.traffic import LiveTraffic
-    from app.settings import Settings
 
     settings = Settings(_env_file=None)
     settings.chroma.path, settings.chroma.collection = collections, "project-docs"

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from app.rag.budget import OverBudget, TokenEstimator, fit_to_budget
 from app.rag.context import ContextChunk, PromptBuilder, canonical
 
 
@@ -23,6 +24,14 @@ from app.rag.context import ContextChunk, PromptBuilder, canonical
 class Turn:
     role: str  # "user" or "assistant"
     content: str
+
+
+@dataclass
+class Plan:
+    """A conversation's turns and the context new at each user turn (the oldest exchange may be dropped)."""
+
+    turns: list[Turn]
+    contexts: list[list[ContextChunk]]
 
 
 def new_context_per_turn(first: list[ContextChunk], later: list[list[ContextChunk]]) -> list[list[ContextChunk]]:
@@ -54,3 +63,31 @@ def conversation_messages(builder: PromptBuilder, turns: list[Turn], contexts: l
         messages.append({"role": "user", "content": block + builder.question(turn.content)})
         user_index += 1
     return messages
+
+
+async def fit_conversation(plan: Plan, builder: PromptBuilder, llm, system: str, budget: int,
+                           estimator: TokenEstimator | None) -> tuple[list[dict], list[ContextChunk]]:
+    """The prompt within ``budget``: the newest context trimmed by rank; if even none fits, the oldest
+    exchange goes (that request then misses the cache, its prefix changed) and it tries again."""
+    while True:
+        turns, contexts = plan.turns, plan.contexts
+
+        def render(last: list[ContextChunk]) -> list[dict]:
+            return conversation_messages(builder, turns, contexts[:-1] + [last], system)  # noqa: B023
+
+        try:
+            messages, kept, _ = await fit_to_budget(render, llm, contexts[-1], budget,
+                                                    lambda chunk: len(builder.render_chunk(chunk)), estimator)
+            return messages, kept
+        except OverBudget:
+            if len(contexts) == 1:
+                raise
+            plan.turns, plan.contexts = _drop_oldest_exchange(turns), contexts[1:]
+
+
+def _drop_oldest_exchange(turns: list[Turn]) -> list[Turn]:
+    """Remove the first user turn and everything up to the next user turn."""
+    first_user = next(i for i, t in enumerate(turns) if t.role == "user")
+    rest = turns[first_user + 1:]
+    next_user = next(i for i, t in enumerate(rest) if t.role == "user")
+    return turns[:first_user] + rest[next_user:]

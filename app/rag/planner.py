@@ -6,14 +6,14 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+from app.core.pages import CHARS_PER_TOKEN
+from app.core.settings import GenerationSettings
 from app.rag.budget import TokenEstimator, prompt_chars
 from app.rag.context import ContextChunk, PromptBuilder
 from app.rag.strategies import QUESTION_HEADROOM_TOKENS, Canonical, ContextStrategy, Corpus, Document, Reuse
 from app.rag.trie import ServedTrie
 from app.rag.units import Hotness, UnitIndex
 from app.rag.upstream import UpstreamInfo
-from app.settings import GenerationSettings
-from ingest.pages import CHARS_PER_TOKEN
 
 log = logging.getLogger("prefixrag.planner")
 MIN_CHUNK_TOKENS = 4  # a rendered chunk is never shorter: its header alone (id, title) takes more

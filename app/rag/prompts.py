@@ -42,7 +42,7 @@ class Neutraliser:
         self._pattern: re.Pattern | None = None
 
     def use(self, tokens: tuple[str, ...]) -> None:
-        """Adopt the served tokenizer's special tokens (cheap when unchanged: it is called per request)."""
+        """Adopt the served tokenizer's special tokens (``Upstream`` publishes them whenever they change)."""
         if tokens == self.served:
             return
         self.served = tokens

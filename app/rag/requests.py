@@ -6,9 +6,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from app.core.settings import GenerationSettings
 from app.errors import BadRequest
 from app.rag.conversation import Turn
-from app.settings import GenerationSettings
 
 
 @dataclass

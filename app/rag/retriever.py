@@ -1,4 +1,4 @@
-"""Question -> ranked chunks: dense (embeddings, Chroma), lexical (BM25, ``ingest.lexical``) or both fused by
+"""Question -> ranked chunks: dense (embeddings, Chroma), lexical (BM25, ``app.core.lexical``) or both fused by
 reciprocal rank. Embedding, queries and index builds run on worker threads, never on the event loop."""
 
 from __future__ import annotations
@@ -11,12 +11,13 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from typing import TypeVar
 
+from app.core import lexical, pages
+from app.core.records import ChunkRecord
+from app.core.settings import ChromaSettings, PageSettings, RetrievalSettings
+from app.core.store import StoreError, forget_clients, open_collection, read_generation
 from app.errors import StoreUnavailable
 from app.rag.context import ContextChunk
 from app.rag.traffic import BACKGROUND
-from app.settings import ChromaSettings, PageSettings, RetrievalSettings
-from ingest import lexical, pages
-from ingest.store import StoreError, forget_clients, open_collection, read_generation
 
 T = TypeVar("T")
 SOURCES_TTL_S = 60.0  # how long the list of sources (for prefix filters) is reused
@@ -129,7 +130,7 @@ class Retriever:
         return self._index("lexical", lambda c: lexical.current(c, self.chroma, write=False), wait)
 
     def page_index(self, wait: bool = False) -> pages.PageIndex | None:
-        """The collection's pages (``ingest.pages``), loaded or rebuilt like the BM25 index."""
+        """The collection's pages (``app.core.pages``), loaded or rebuilt like the BM25 index."""
         return self._index("pages", lambda c: pages.current(c, self.chroma, self.paging, write=False), wait)
 
     async def indexes_ready(self, kinds: tuple[str, ...] = ("lexical", "pages")) -> None:
@@ -182,7 +183,7 @@ class Retriever:
         fetched_at, sources = self._sources
         if time.monotonic() - fetched_at > SOURCES_TTL_S:
             metas = self.collection.get(include=["metadatas"])["metadatas"]
-            sources = sorted({meta["source"] for meta in metas})
+            sources = sorted({ChunkRecord.from_metadata(meta).source for meta in metas})
             self._sources = (time.monotonic(), sources)
         return sources
 
@@ -209,9 +210,9 @@ def chroma_errors(action: str) -> Iterator[None]:
 
 def to_chunk(chunk_id: str, text: str, meta: dict, score: float = 0.0, rank: int = 0,
              retrieved: bool = True) -> ContextChunk:
+    record = ChunkRecord.from_metadata(meta)
     return ContextChunk(
-        id=chunk_id, doc_id=meta["doc_id"], chunk_index=int(meta["chunk_index"]), text=text,
-        title=meta.get("title", ""), headings=meta.get("headings", ""), score=round(float(score), 4), rank=rank,
-        parent_id=meta.get("parent_id", ""), parent_pos=int(meta.get("parent_pos", 0)), retrieved=retrieved,
-        start=int(meta.get("start", -1)), end=int(meta.get("end", -1)), page=int(meta.get("page", -1)),
+        id=chunk_id, doc_id=record.doc_id, chunk_index=record.chunk_index, text=text, title=record.title,
+        headings=record.headings, score=round(float(score), 4), rank=rank, parent_id=record.parent_id,
+        parent_pos=record.parent_pos, retrieved=retrieved, start=record.start, end=record.end, page=record.page,
     )

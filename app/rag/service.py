@@ -9,14 +9,15 @@ import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import asdict, dataclass, field, replace
 
+from app.core.settings import GenerationSettings, TrafficSettings
 from app.errors import BadRequest, ContextTooLong, StoreUnavailable, UpstreamUnavailable
 from app.llm import Completion, Delta, LLMClient
 from app.metrics import ServiceMetrics
 from app.rag.affinity import affinity_key
-from app.rag.budget import OverBudget, TokenEstimator, fit_to_budget
+from app.rag.budget import TokenEstimator
 from app.rag.collection import CollectionWatcher
 from app.rag.context import ContextChunk, PromptBuilder
-from app.rag.conversation import Turn, conversation_messages, new_context_per_turn
+from app.rag.conversation import Plan, fit_conversation, new_context_per_turn
 from app.rag.lru import AsyncLRU
 from app.rag.planner import ContextPlanner
 from app.rag.requests import ChatQuery, Conversation, Query, RequestRules
@@ -24,7 +25,6 @@ from app.rag.retriever import Retriever
 from app.rag.traffic import LiveTraffic
 from app.rag.upstream import Upstream
 from app.rag.warmup import Warmer
-from app.settings import GenerationSettings, TrafficSettings
 
 log = logging.getLogger("prefixrag.service")
 RETRIEVAL_CACHE_SIZE = 1024
@@ -39,10 +39,20 @@ class Clock:
     def mark(self, phase: str) -> None:
         self.marks[phase] = time.perf_counter()
 
-    def timings(self, ttft: float, done: float) -> dict[str, float]:
+    def timings(self, ttft: float, done: float) -> Timings:
         retrieve, assemble = self.marks["retrieve"], self.marks["assemble"]
-        return {"retrieve": ms(retrieve - self.started), "assemble": ms(assemble - retrieve), "ttft": ms(ttft),
-                "total": ms(done - self.started)}
+        return Timings(retrieve=ms(retrieve - self.started), assemble=ms(assemble - retrieve), ttft=ms(ttft),
+                       total=ms(done - self.started))
+
+
+@dataclass(frozen=True)
+class Timings:
+    """Milliseconds: retrieval (from arrival), building the prompt, first token and all (from arrival)."""
+
+    retrieve: float
+    assemble: float
+    ttft: float
+    total: float
 
 
 @dataclass
@@ -51,7 +61,7 @@ class Answer:
     sources: list[ContextChunk]
     completion: Completion
     strategy: str
-    timings_ms: dict[str, float]
+    timings_ms: Timings
     messages: list[dict] = field(default_factory=list)  # the exact prompt sent (benchmarks, debugging)
     context: list[ContextChunk] = field(default_factory=list)  # every chunk in the prompt, in prompt order
 
@@ -61,6 +71,8 @@ class RAGService:
                  upstream: Upstream, metrics: ServiceMetrics, traffic: TrafficSettings | None = None) -> None:
         self.settings, self.retriever, self.llm, self.builder = settings, retriever, llm, builder
         self.upstream, self.metrics = upstream, metrics
+        # Untrusted text never carries the served tokenizer's special tokens, whatever vLLM serves now.
+        upstream.subscribe(lambda info: builder.inert.use(info.special_tokens))
         self.estimator = TokenEstimator()
         self.planner = ContextPlanner(settings, retriever, builder, llm, retriever.chroma.collection, self.estimator)
         limits = traffic or TrafficSettings()
@@ -105,16 +117,15 @@ class RAGService:
         """The one pipeline: retrieve every question, plan the context (turn 1 by the strategy, later turns only
         what is new), fit the budget, generate."""
         info = self.upstream.require()
-        self.builder.inert.use(info.special_tokens)
         clock = Clock(talk.received_at)
         questions = talk.questions
         retrieved = [await self._retrieve_cached(q, talk.top_k, talk.source_prefix) for q in questions]
         clock.mark("retrieve")
         budget = self._budget(info.max_model_len, talk.max_tokens)
-        first = await self._first_context(questions[0], talk, retrieved[0], budget, later=len(questions) > 1)
+        first = await self._first_context(talk, retrieved[0], budget)
         strategy = self.planner.strategy_for(first)
         plan = Plan(list(talk.turns), new_context_per_turn(first, retrieved[1:]))
-        messages, kept = await self._fit(plan, talk.system, budget, self.estimator)
+        messages, kept = await fit_conversation(plan, self.builder, self.llm, talk.system, budget, self.estimator)
         self.planner.served(kept)
         clock.mark("assemble")
         affinity = affinity_key(first)  # every turn keyed by turn 1's context, where its prompt starts
@@ -124,40 +135,19 @@ class RAGService:
         except ContextTooLong:
             # The estimate let through a prompt vLLM would not take (vLLM refuses before any token streams):
             # count exactly, trim, and send once more.
-            messages, kept = await self._fit(plan, talk.system, budget, None)
+            messages, kept = await fit_conversation(plan, self.builder, self.llm, talk.system, budget, None)
             async for event in self._generate(messages, plan, kept, retrieved[-1], talk, clock, strategy, affinity):
                 yield event
 
-    async def _first_context(self, question: str, talk: Conversation, ranked: list[ContextChunk], budget: int,
-                             later: bool) -> list[ContextChunk]:
+    async def _first_context(self, talk: Conversation, ranked: list[ContextChunk], budget: int) -> list[ContextChunk]:
         """Turn 1's context. A request's first question is arranged by the strategy with what it has learned
         (hot units first, served paths), and remembered, so ``/ask`` and a chat's first turn share one prompt
         and the chat's later turns rebuild it exactly; a later turn whose first context was forgotten (evicted,
         another app process) rebuilds it as a pure function of the hits."""
-        key = (question, talk.top_k, talk.source_prefix, budget)
-        stable = later  # only reached when not remembered
-        scoped = talk.source_prefix is not None
-        return await self._first_contexts.get(
-            key, lambda: self.planner.arrange(ranked, budget, stable=stable, scoped=scoped))
-
-    async def _fit(self, plan: Plan, system: str, budget: int,
-                   estimator: TokenEstimator | None) -> tuple[list[dict], list[ContextChunk]]:
-        """The prompt within ``budget``: the newest context trimmed by rank; if even none fits, the oldest
-        exchange goes (that request then misses the cache, its prefix changed) and it tries again."""
-        while True:
-            turns, contexts = plan.turns, plan.contexts
-
-            def render(last: list[ContextChunk]) -> list[dict]:
-                return conversation_messages(self.builder, turns, contexts[:-1] + [last], system)  # noqa: B023
-
-            try:
-                messages, kept, _ = await fit_to_budget(render, self.llm, contexts[-1], budget, self._chunk_chars,
-                                                        estimator)
-                return messages, kept
-            except OverBudget:
-                if len(contexts) == 1:
-                    raise
-                plan.turns, plan.contexts = _drop_oldest_exchange(turns), contexts[1:]
+        key = (talk.questions[0], talk.top_k, talk.source_prefix, budget)
+        forgotten = len(talk.questions) > 1  # a later turn reaches the planner only when turn 1 was forgotten
+        return await self._first_contexts.get(key, lambda: self.planner.arrange(
+            ranked, budget, stable=forgotten, scoped=talk.source_prefix is not None))
 
     async def _retrieve_cached(self, question: str, top_k: int, source_prefix: str | None) -> list[ContextChunk]:
         # Earlier turns are re-retrieved on every request; an LRU keeps that to one Chroma query per new turn.
@@ -183,13 +173,10 @@ class RAGService:
         timings = clock.timings(ttft, done)
         log.info("answered: strategy=%s prompt=%d cached=%d completion=%d finish=%s ttft_ms=%.0f total_ms=%.0f",
                  strategy, completion.prompt_tokens, completion.cached_tokens, completion.completion_tokens,
-                 completion.finish_reason, timings["ttft"], timings["total"])
+                 completion.finish_reason, timings.ttft, timings.total)
         context = [c for earlier in plan.contexts[:-1] for c in earlier] + kept
         yield Answer(text=completion.text, sources=shown_hits(hits, context), completion=completion,
                      strategy=strategy, timings_ms=timings, messages=messages, context=context)
-
-    def _chunk_chars(self, chunk: ContextChunk) -> int:
-        return len(self.builder.render_chunk(chunk))
 
     async def chat(self, chat: ChatQuery) -> Answer:
         return await _final(self.chat_stream(chat))
@@ -223,28 +210,12 @@ async def _final(events: AsyncGenerator[Delta | Answer, None]) -> Answer:
     raise AssertionError("the stream ended without an Answer")
 
 
-@dataclass
-class Plan:
-    """A conversation's turns and the context new at each user turn (the oldest exchange may be dropped)."""
-
-    turns: list[Turn]
-    contexts: list[list[ContextChunk]]
-
-
 def shown_hits(hits: list[ContextChunk], context: list[ContextChunk]) -> list[ContextChunk]:
     """The last question's hits as the prompt shows them (alone or inside a unit: that decides their cited
     id), with this question's scores, most relevant first."""
     shown = {c.id: c for c in context}
     found = [replace(shown[c.id], score=c.score, rank=c.rank, retrieved=True) for c in hits if c.id in shown]
     return sorted(found, key=lambda c: -c.score)
-
-
-def _drop_oldest_exchange(turns: list[Turn]) -> list[Turn]:
-    """Remove the first user turn and everything up to the next user turn."""
-    first_user = next(i for i, t in enumerate(turns) if t.role == "user")
-    rest = turns[first_user + 1:]
-    next_user = next(i for i, t in enumerate(rest) if t.role == "user")
-    return turns[:first_user] + rest[next_user:]
 
 
 def ms(seconds: float) -> float:

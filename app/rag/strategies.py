@@ -4,7 +4,7 @@ a prefix vLLM already holds. Each is a setting (RAG_GENERATION__STRATEGY) and a 
 - canonical: the top-k chunks sorted by stable id. Identical sets share a prefix; in a shuffled stream rare.
 - document: the top hit's stable unit (its whole parent document, or an aligned window of it) when it holds most
   hits, else the plain top-k; small units come several to a prompt, hot units first. A unit is shared by every
-  question about it. When the top hit's document was grouped into a page (small documents, ``ingest.pages``),
+  question about it. When the top hit's document was grouped into a page (small documents, ``app.core.pages``),
   the page holding most hits comes first, then the hits outside it.
 - reuse: the top-k set ordered along the longest path already served (bounded trie), the rest canonically.
 - corpus: the whole collection, parent document by parent document, as one fixed prefix, when it fits the window.
@@ -119,7 +119,7 @@ class Document(Canonical):
 
     def served(self, kept: list[ContextChunk]) -> None:
         """The units a request sent get hotter (a page is one unit, whichever of its documents were shown)."""
-        self.hotness.use(list(dict.fromkeys(self.units.page_of(c) or c.unit for c in kept if c.unit)))
+        self.hotness.use(self.units.units_of(kept))
 
 
 class Reuse(Canonical):

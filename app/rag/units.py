@@ -1,5 +1,5 @@
 """Stable context units: a retrieved chunk's whole parent document (a file, or the jsonl records sharing a
-parent), the page its parent was grouped into when the parent is small (``ingest.pages``), or, when a parent is
+parent), the page its parent was grouped into when the parent is small (``app.core.pages``), or, when a parent is
 too big, a fixed window of neighbouring chunks aligned to multiples of the window size, so the same unit always
 renders the same bytes. Plus how hot each unit is."""
 
@@ -11,9 +11,9 @@ import threading
 from dataclasses import replace
 from pathlib import Path
 
+from app.core.pages import CHARS_PER_TOKEN
 from app.rag.context import ContextChunk
 from app.rag.lru import AsyncLRU
-from ingest.pages import CHARS_PER_TOKEN
 
 log = logging.getLogger("prefixrag.units")
 
@@ -46,6 +46,12 @@ class UnitIndex:
         """The page holding this chunk's parent (None: not paged, or the pages are still being loaded)."""
         index = self.retriever.page_index()
         return index.page_of(chunk.parent) if index is not None else None
+
+    def units_of(self, chunks: list[ContextChunk]) -> list[str]:
+        """The distinct units these chunks belong to, in order; a paged document's unit is its page."""
+        index = self.retriever.page_index()  # once, not per chunk
+        units = [(index.page_of(c.parent) if index is not None else None) or c.unit for c in chunks if c.unit]
+        return list(dict.fromkeys(units))
 
     async def unit_for(self, hit: ContextChunk, paged: bool = True) -> tuple[str, list[ContextChunk]]:
         """(unit key, its chunks in natural order, tagged with the key) for a retrieved chunk. A page's chunks

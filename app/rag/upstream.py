@@ -1,17 +1,19 @@
 """What we know about vLLM, kept fresh by a background monitor: reachable? which model, which window,
 is prefix caching on, which block size? Behind vllm-router: which replicas are healthy. It only probes and
-publishes: ``appeared`` is set each time vLLM (re)appears or restarts, or the router's set of healthy replicas
-changes (units now route elsewhere), which is when the warmer (``app.rag.warmup``) starts over."""
+publishes: subscribers hear what is served whenever it changes (the client adopts the model name, prompt builders
+the tokenizer's special tokens); ``appeared`` is set each time vLLM (re)appears or restarts, or the router's set of
+healthy replicas changes (units now route elsewhere), which is when the warmer (``app.rag.warmup``) starts over."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
+from app.core.settings import VLLMSettings
 from app.errors import ServiceError, UpstreamUnavailable
 from app.llm import LLMClient, Replica, metric_total, parse_metric_labels
-from app.settings import VLLMSettings
 
 log = logging.getLogger("prefixrag.upstream")
 
@@ -36,6 +38,13 @@ class Upstream:
         self._wake = asyncio.Event()
         self.replicas: list[Replica] | None = None  # behind vllm-router: its replicas; None: vLLM itself
         self._queries_seen: dict[str, float] = {}  # per vLLM server read directly: a drop means it restarted
+        self._subscribers: list[Callable[[UpstreamInfo], None]] = []
+
+    def subscribe(self, subscriber: Callable[[UpstreamInfo], None]) -> None:
+        """``subscriber(info)`` now if vLLM is known, then whenever the model or its special tokens change."""
+        self._subscribers.append(subscriber)
+        if self.info is not None:
+            subscriber(self.info)
 
     @property
     def ready(self) -> bool:
@@ -86,7 +95,9 @@ class Upstream:
         known = self.info if self.reachable and self.info and self.info.model == info.model else None
         info.special_tokens = known.special_tokens if known else tuple(await self.llm.special_tokens())
         self.info = info
-        self.llm.model = self.info.model
+        if known is None:  # first seen, back, or serving another model: subscribers adopt it
+            for subscriber in self._subscribers:
+                subscriber(info)
         if self._restarted(metrics):
             self.appeared.set()
         if self.reachable and self._healthy(self.replicas) != self._healthy(replicas):

@@ -13,13 +13,13 @@ from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
+from app.core.pages import CHARS_PER_TOKEN
 from app.errors import BadRequest, ServiceError, StoreUnavailable
 from app.rag.affinity import affinity_key
 from app.rag.context import ContextChunk
 from app.rag.planner import ContextPlanner
 from app.rag.traffic import LiveTraffic
 from app.rag.upstream import Upstream, UpstreamInfo
-from ingest.pages import CHARS_PER_TOKEN
 
 log = logging.getLogger("prefixrag.warmup")
 
@@ -94,7 +94,6 @@ class Warmer:
 
     async def _warm_all(self, info: UpstreamInfo) -> None:
         try:
-            self.builder.inert.use(info.special_tokens)  # before anything is rendered for the cache
             self.progress.prefix_tokens = await self._send(self.builder.warmup_messages(), [])
             await self._warm_context(info)
             if self.progress.state == "warming":

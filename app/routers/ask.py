@@ -8,7 +8,6 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import StreamingResponse
 
 from app.deps import Authorized, MetricsDep, ServiceDep
 from app.errors import ServiceError
@@ -26,7 +25,7 @@ from app.protocol import (
 )
 from app.rag.requests import Query
 from app.rag.service import Answer
-from app.routers.streaming import started, unless_client_leaves
+from app.routers.streaming import event_stream, sse, started, unless_client_leaves
 
 log = logging.getLogger("prefixrag.ask")
 router = APIRouter(tags=["ask"], dependencies=[Authorized])
@@ -40,8 +39,7 @@ async def ask(body: AskRequest, request: Request, service: ServiceDep, metrics: 
                   source_prefix=body.filters.source_prefix if body.filters else None)
     if body.stream:
         events = await started(service.answer_stream(query))  # failures before the first token keep their status
-        return StreamingResponse(_sse(events), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return event_stream(_sse(events))
     with metrics.latency.labels("ask").time():
         answer = await unless_client_leaves(request, service.answer(query))
     metrics.requests.labels("ask", "200").inc()
@@ -55,21 +53,21 @@ def to_response(answer: Answer) -> AskResponse:
         usage=AskUsage(prompt_tokens=answer.completion.prompt_tokens,
                        completion_tokens=answer.completion.completion_tokens,
                        cached_tokens=answer.completion.cached_tokens),
-        timings_ms=Timings(**answer.timings_ms), strategy=answer.strategy,
+        timings_ms=Timings.model_validate(answer.timings_ms, from_attributes=True), strategy=answer.strategy,
         finish_reason=answer.completion.finish_reason,
     )
 
 
-async def _sse(events: AsyncIterator[Delta | Answer]) -> AsyncIterator[str]:
+async def _sse(events: AsyncIterator[Delta | Answer]) -> AsyncIterator[bytes]:
     """``event: delta`` {"text"} per token batch, then ``event: done`` with the full response, or ``event: error``."""
     try:
         async for event in events:
             if isinstance(event, Delta):
-                yield f"event: delta\ndata: {json.dumps({'text': event.text})}\n\n"
+                yield sse(json.dumps({"text": event.text}), "delta")
             else:
-                yield f"event: done\ndata: {to_response(event).model_dump_json()}\n\n"
+                yield sse(to_response(event).model_dump_json(), "done")
     except ServiceError as exc:
-        yield f"event: error\ndata: {json.dumps(error_body(exc.message, exc.type, exc.param, exc.code))}\n\n"
+        yield sse(json.dumps(error_body(exc.message, exc.type, exc.param, exc.code)), "error")
     except Exception:  # the stream has begun: whatever failed, the client is told, never just cut off
         log.exception("unhandled error in an /ask stream")
-        yield f"event: error\ndata: {json.dumps(INTERNAL_ERROR)}\n\n"
+        yield sse(json.dumps(INTERNAL_ERROR), "error")

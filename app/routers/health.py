@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from app.deps import Authorized, MetricsDep, ServiceDep, SettingsDep
-from app.edge import bearer_ok
+from app.deps import Authorized, HoldsKey, MetricsDep, ServiceDep
 
 router = APIRouter(tags=["health"])
 
@@ -18,14 +17,13 @@ async def healthz() -> dict:
 
 
 @router.get("/readyz")
-async def readyz(request: Request, service: ServiceDep, settings: SettingsDep) -> JSONResponse:
+async def readyz(service: ServiceDep, allowed: HoldsKey) -> JSONResponse:
     """Ready = it can answer now: vLLM answers and the collection is readable (pre-warm's progress is reported
     under ``warmup``, never waited for; the load under ``traffic``). Open to
     probes without a key; with RAG_API_KEY set, only a caller holding the key sees the details (vLLM's URL,
     model, window, KV size, warm-up progress)."""
     status = service.readiness()
-    key = settings.service.api_key
-    if key and not bearer_ok(request.headers.get("authorization", ""), key):
+    if not allowed:
         status = {"ready": status["ready"], "reason": "ready" if status["ready"] else "not ready"}
     return JSONResponse(status, status_code=200 if status["ready"] else 503)
 

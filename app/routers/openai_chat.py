@@ -10,7 +10,6 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import StreamingResponse
 
 from app.deps import Authorized, ServiceDep, SettingsDep
 from app.errors import NotFound, ServiceError
@@ -36,7 +35,7 @@ from app.protocol import (
 from app.rag.conversation import Turn
 from app.rag.requests import ChatQuery
 from app.rag.service import Answer
-from app.routers.streaming import started, unless_client_leaves
+from app.routers.streaming import event_stream, sse, started, unless_client_leaves
 
 log = logging.getLogger("prefixrag.chat")
 router = APIRouter(prefix="/v1", tags=["openai"], dependencies=[Authorized])
@@ -62,8 +61,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, servic
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         events = await started(service.chat_stream(chat))  # failures before the first token keep their status
-        return StreamingResponse(_sse(events, ident, created, model, include_usage, append),
-                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        return event_stream(_sse(events, ident, created, model, include_usage, append))
     answer = await unless_client_leaves(request, service.chat(chat))
     return ChatCompletion(id=ident, created=created, model=model, usage=usage_of(answer),
                           sources=sources_of(answer.sources), choices=[ChatChoice(
@@ -93,10 +91,10 @@ def sources_text(answer: Answer) -> str:
 
 
 async def _sse(events: AsyncIterator[Delta | Answer], ident: str, created: int, model: str, include_usage: bool,
-               append_sources: bool) -> AsyncIterator[str]:
-    def chunk(**fields) -> str:
-        chunk = ChatCompletionChunk(id=ident, created=created, model=model, **fields)
-        return f"data: {chunk.model_dump_json(exclude_none=True)}\n\n"
+               append_sources: bool) -> AsyncIterator[bytes]:
+    def chunk(**fields) -> bytes:
+        return sse(ChatCompletionChunk(id=ident, created=created, model=model, **fields).model_dump_json(
+            exclude_none=True))
 
     yield chunk(choices=[ChunkChoice(delta=ChunkDelta(role="assistant", content=""))])
     try:
@@ -112,8 +110,8 @@ async def _sse(events: AsyncIterator[Delta | Answer], ident: str, created: int, 
                 yield chunk(choices=[], usage=usage_of(event))
     except ServiceError as exc:
         # The openai client raises APIError on an "error" event: the stream ends clearly, never hangs.
-        yield f"data: {json.dumps(error_body(exc.message, exc.type, exc.param, exc.code))}\n\n"
+        yield sse(json.dumps(error_body(exc.message, exc.type, exc.param, exc.code)))
     except Exception:  # the stream has begun: whatever failed, the client is told, never just cut off
         log.exception("unhandled error in a chat stream")
-        yield f"data: {json.dumps(INTERNAL_ERROR)}\n\n"
-    yield "data: [DONE]\n\n"
+        yield sse(json.dumps(INTERNAL_ERROR))
+    yield sse("[DONE]")

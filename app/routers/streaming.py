@@ -10,6 +10,7 @@ import logging
 from collections.abc import AsyncIterator, Awaitable
 from typing import TypeVar
 
+from fastapi.sse import EventSourceResponse, format_sse_event
 from starlette.requests import Request
 
 from app.errors import ClientGone
@@ -54,3 +55,13 @@ async def started(events: AsyncIterator[T]) -> AsyncIterator[T]:
 async def _empty() -> AsyncIterator:
     return
     yield  # an async generator that yields nothing
+
+
+def sse(data: str, event: str | None = None) -> bytes:
+    """One Server-Sent Event, framed by FastAPI's encoder (``data`` is already serialised: JSON or ``[DONE]``)."""
+    return format_sse_event(data_str=data, event=event)
+
+
+def event_stream(frames: AsyncIterator[bytes]) -> EventSourceResponse:
+    # No caching, and no buffering by a reverse proxy (nginx): each token reaches the client as it is made.
+    return EventSourceResponse(frames, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlparse
 
-from app.settings import ChromaSettings
+from app.core.records import ChunkRecord
+from app.core.settings import ChromaSettings
 
 os.environ.setdefault("ANONYMIZED_TELEMETRY", "False")
 PAGE = 2000  # rows per paginated get: keeps memory flat on large collections
@@ -157,11 +158,12 @@ def stored_documents(collection) -> dict[str, StoredDocument]:
     documents: dict[str, StoredDocument] = {}
     for page in all_rows(collection, ["metadatas"]):
         for chunk_id, meta in zip(page["ids"], page["metadatas"]):
-            entry = documents.setdefault(meta["doc_id"], StoredDocument(
-                meta["doc_hash"], meta["n_chunks"], meta["source"], [], meta.get("file_hash", "")))
-            if meta["doc_hash"] != entry.doc_hash:
+            record = ChunkRecord.from_metadata(meta)
+            entry = documents.setdefault(record.doc_id, StoredDocument(
+                record.doc_hash, record.n_chunks, record.source, [], record.file_hash))
+            if record.doc_hash != entry.doc_hash:
                 entry.doc_hash = ""  # mixed generations (an interrupted update): never "unchanged"
-            if meta.get("file_hash", "") != entry.file_hash:
+            if record.file_hash != entry.file_hash:
                 entry.file_hash = ""
             entry.ids.append(chunk_id)
     return documents

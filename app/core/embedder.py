@@ -6,7 +6,7 @@ import os
 import threading
 from functools import cached_property
 
-from app.settings import PACKAGED_EMBEDDER, EmbeddingSettings
+from app.core.settings import PACKAGED_EMBEDDER, EmbeddingSettings
 
 
 def resolve_model_path(model: str) -> str:

@@ -1,84 +1,14 @@
-"""The one settings object of prefixrag (env prefix ``RAG_``, nested with ``__``, ``.env`` supported).
-
-Flat aliases the README documents (``RAG_CHROMA_PATH``, ``RAG_VLLM_URL``, ``RAG_MODEL`` ...) are read too,
-so the common knobs need no double underscores.
-"""
+"""Settings of serving: the vLLM upstream and its launcher, generation, admission control, the HTTP service.
+Sections of the one ``Settings`` object (``app.core.settings``)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Literal
 
-from pydantic import AliasChoices, BaseModel, Field, field_validator, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import BaseModel, Field, field_validator
 
-PACKAGED_EMBEDDER = "packaged:all-MiniLM-L6-v2"
 STRATEGIES = ("canonical", "document", "reuse", "corpus", "auto")
-
-
-class ChromaSettings(BaseModel):
-    path: Path = Field(Path("./data/chroma"), description="On-disk Chroma directory (embedded mode).")
-    url: str | None = Field(None, description="Chroma server URL (e.g. http://127.0.0.1:8001); wins over path.")
-    collection: str = Field("docs", min_length=3, max_length=512, description="Collection name (3-512 chars).")
-    poll_s: float = Field(5.0, gt=0, description="How often the service checks whether an ingest changed the "
-                          "collection (then it reloads it, drops cached units and re-warms).")
-    lexical_dir: Path | None = Field(
-        None, description="Where ingest keeps the indexes it derives from the collection, BM25 and pages "
-        "(default: beside the on-disk Chroma; data/lexical/<server> for a Chroma server).")
-
-    @field_validator("url")
-    @classmethod
-    def _url_has_scheme(cls, url: str | None) -> str | None:
-        if url and not url.startswith(("http://", "https://")):
-            raise ValueError(f"chroma url must start with http:// or https://, got {url!r}")
-        return url or None
-
-
-class EmbeddingSettings(BaseModel):
-    model: str = Field(PACKAGED_EMBEDDER,
-                       description="Sentence-transformers model path, or 'packaged:all-MiniLM-L6-v2'.")
-    batch_size: int = Field(64, ge=1, le=1024, description="Texts per encoder forward pass.")
-    device: str = Field("cpu", description="Torch device for the encoder.")
-    query_threads: int = Field(
-        1, ge=1, description="CPU threads the service's encoder uses per question (ingest uses them all): one short "
-        "text gains nothing from more, and beside a CPU vLLM each extra thread stalls at every barrier "
-        "(measured: a question's embedding took 0.5 s with 2 threads during pre-warm).")
-
-
-class RetrievalSettings(BaseModel):
-    mode: Literal["dense", "lexical", "hybrid"] = Field(
-        "hybrid", description="dense: embeddings only; lexical: BM25 only; hybrid: both, fused by reciprocal rank "
-        "(finds exact names, numbers and identifiers that embeddings miss; see README: retrieval).")
-    candidates: int = Field(
-        20, ge=1, le=200, description="hybrid: how deep each ranking is read before fusion (at least top_k).")
-    rrf_k: int = Field(60, ge=1, description="hybrid: reciprocal-rank-fusion constant (score = sum 1/(rrf_k+rank)).")
-
-
-class PageSettings(BaseModel):
-    tokens: int = Field(
-        4096, ge=0, description="Pages: documents smaller than half this many tokens (abstracts, FAQ entries, short "
-        "files) are grouped by meaning into pages of about this size, and a page is the cached unit the document "
-        "strategy puts first in a prompt (0: off; see README: pages). Ingest builds them; change it, re-ingest.")
-
-
-class ChunkSettings(BaseModel):
-    size: int = Field(200, ge=16, description="Target chunk size in embedder tokens (capped to the encoder window).")
-    overlap: int = Field(24, ge=0, description="Overlap between neighbouring chunks, in embedder tokens.")
-    parent_field: str | None = Field(None, description="JSONL field naming a record's parent document.")
-
-    @model_validator(mode="after")
-    def _overlap_below_size(self) -> ChunkSettings:
-        if self.overlap >= self.size:
-            raise ValueError(f"chunk overlap ({self.overlap}) must be smaller than chunk size ({self.size})")
-        return self
-
-
-class IngestSettings(BaseModel):
-    lock_timeout_s: float = Field(30.0, ge=0, description="How long a second ingest waits for the lock before failing.")
-    write_batch: int = Field(256, ge=1, description="Chunks embedded and upserted per write batch.")
-    max_file_mb: float = Field(50.0, gt=0, description="Files larger than this are skipped and reported.")
-    prefetch_files: int = Field(4, ge=1, description="Files loaded and chunked ahead while the encoder runs.")
-    progress_s: float = Field(10.0, gt=0, description="Seconds between progress lines when stderr is no terminal.")
 
 
 class VLLMSettings(BaseModel):
@@ -196,53 +126,6 @@ class ServiceSettings(BaseModel):
     api_key: str | None = Field(None, description="Optional Bearer key required on every endpoint but health.")
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024, description="Largest request body accepted (413 above "
                                 "it); checked while the body streams in, after authentication.")
-    prompts_dir: Path = Field(Path(__file__).resolve().parent.parent / "prompts", description="Prompt templates.")
+    prompts_dir: Path = Field(Path(__file__).resolve().parents[2] / "prompts", description="Prompt templates.")
     model_id: str = Field("prefixrag", description="Model id the OpenAI-compatible API lists.")
     append_sources: bool = Field(False, description="Append a 'Sources:' list to chat answers for text-only UIs.")
-
-
-class Settings(BaseSettings):
-    model_config = SettingsConfigDict(
-        env_prefix="RAG_", env_nested_delimiter="__", env_file=".env", extra="ignore", populate_by_name=True
-    )
-
-    chroma: ChromaSettings = Field(default_factory=ChromaSettings, description="Vector store.")
-    embedding: EmbeddingSettings = Field(default_factory=EmbeddingSettings, description="Encoder.")
-    chunking: ChunkSettings = Field(default_factory=ChunkSettings, description="Chunker.")
-    retrieval: RetrievalSettings = Field(default_factory=RetrievalSettings, description="Dense, lexical or hybrid.")
-    pages: PageSettings = Field(default_factory=PageSettings, description="Small documents grouped into pages.")
-    ingest: IngestSettings = Field(default_factory=IngestSettings, description="Ingest pipeline.")
-    vllm: VLLMSettings = Field(default_factory=VLLMSettings, description="Upstream vLLM server.")
-    vllm_server: VLLMServerSettings = Field(default_factory=VLLMServerSettings, description="vLLM launcher.")
-    generation: GenerationSettings = Field(default_factory=GenerationSettings, description="Retrieval + generation.")
-    service: ServiceSettings = Field(default_factory=ServiceSettings, description="HTTP service.")
-    traffic: TrafficSettings = Field(default_factory=TrafficSettings, description="Admission control, shutdown.")
-
-    # Flat aliases for the everyday knobs; applied over the nested values when set.
-    chroma_path: Path | None = Field(None, validation_alias=AliasChoices("RAG_CHROMA_PATH"),
-                                     description="= chroma.path")
-    chroma_url: str | None = Field(None, validation_alias=AliasChoices("RAG_CHROMA_URL"), description="= chroma.url")
-    collection: str | None = Field(None, validation_alias=AliasChoices("RAG_COLLECTION"),
-                                   description="= chroma.collection")
-    vllm_url: str | None = Field(None, validation_alias=AliasChoices("RAG_VLLM_URL"), description="= vllm.url")
-    model: str | None = Field(None, validation_alias=AliasChoices("RAG_MODEL"), description="= vllm.model")
-    top_k: int | None = Field(None, validation_alias=AliasChoices("RAG_TOP_K"), description="= generation.top_k")
-    api_key: str | None = Field(None, validation_alias=AliasChoices("RAG_API_KEY"), description="= service.api_key")
-
-    @model_validator(mode="after")
-    def _apply_flat_aliases(self) -> Settings:
-        pairs = [
-            ("chroma_path", self.chroma, "path"), ("chroma_url", self.chroma, "url"),
-            ("collection", self.chroma, "collection"), ("vllm_url", self.vllm, "url"),
-            ("model", self.vllm, "model"), ("top_k", self.generation, "top_k"),
-            ("api_key", self.service, "api_key"),
-        ]
-        for flat, section, field in pairs:
-            value = getattr(self, flat)
-            if value is not None:
-                setattr(section, field, value)
-                setattr(self, flat, None)
-        # Re-validate sections the aliases touched so bad values fail fast here, not at first use.
-        self.chroma = ChromaSettings.model_validate(self.chroma.model_dump())
-        self.generation = GenerationSettings.model_validate(self.generation.model_dump())
-        return self

@@ -24,8 +24,9 @@ from pathlib import Path
 
 import numpy as np
 
-from app.settings import ChromaSettings, PageSettings
-from ingest.store import all_rows, derived_dir, stamp_of
+from app.core.records import ChunkRecord
+from app.core.settings import ChromaSettings, PageSettings
+from app.core.store import all_rows, derived_dir, stamp_of
 
 CHARS_PER_TOKEN = 4.0  # rough chars per LLM token: sizes here only decide what is small and what fits a page
 SMALL_SHARE = 0.5  # a parent is paged when it is at most this share of a page
@@ -63,7 +64,7 @@ def read_parents(collection) -> Parents:
     chars: dict[str, int] = {}
     for rows in all_rows(collection, ["embeddings", "metadatas", "documents"]):
         for vector, meta, text in zip(rows["embeddings"], rows["metadatas"], rows["documents"]):
-            parent = meta.get("parent_id") or meta["doc_id"]
+            parent = ChunkRecord.from_metadata(meta).parent_key
             sums[parent] = sums.get(parent, 0.0) + np.asarray(vector, dtype=np.float64)
             chars[parent] = chars.get(parent, 0) + len(text or "")
     keys = sorted(sums)

@@ -20,8 +20,9 @@ from typing import Any
 
 import numpy as np
 
-from app.settings import ChromaSettings
-from ingest.store import all_rows, derived_dir, stamp_of
+from app.core.records import ChunkRecord
+from app.core.settings import ChromaSettings
+from app.core.store import all_rows, derived_dir, stamp_of
 
 META = "prefixrag-lexical.json"
 _per_thread = threading.local()
@@ -78,7 +79,7 @@ def build(collection) -> LexicalIndex:
     for page in all_rows(collection, ["documents", "metadatas"]):
         ids += page["ids"]
         texts += page["documents"]
-        sources += [meta["source"] for meta in page["metadatas"]]
+        sources += [ChunkRecord.from_metadata(meta).source for meta in page["metadatas"]]
     bm25 = bm25s.BM25()
     if texts:
         bm25.index(tokenize(texts), show_progress=False)

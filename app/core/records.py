@@ -1,0 +1,42 @@
+"""The chunk record: what each Chroma row's metadata holds. Ingest writes it with ``to_metadata``; the app, the
+lexical index, pages and ingest's own bookkeeping read it back with ``from_metadata`` (one schema, one parser)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkRecord:
+    doc_id: str  # path relative to the ingest root, or the jsonl record id
+    source: str  # the file it came from, relative to the ingest root (source filters match on it)
+    chunk_index: int
+    n_chunks: int  # chunks of the document when it was written: fewer present means an interrupted write
+    doc_hash: str  # the document's content with the chunking/encoder identity: equal means unchanged
+    title: str = ""
+    headings: str = ""  # "A > B > C"
+    start: int = -1  # char offsets of the chunk in the document's text
+    end: int = -1
+    page: int = -1  # 1-based PDF page; -1: none
+    parent_id: str = ""  # the document this one is a section of ("": itself)
+    parent_pos: int = 0  # position within the parent, in file order
+    kind: str = "text"
+    content_hash: str = ""
+    file_hash: str = ""  # the raw file's hash: equal and complete means the file need not even be parsed
+
+    @property
+    def parent_key(self) -> str:
+        """The document this chunk belongs to for units and pages: its parent, else itself."""
+        return self.parent_id or self.doc_id
+
+    def to_metadata(self) -> dict[str, str | int]:
+        # Chroma metadata values must be scalars (no None): absent values are "" or -1, as the defaults are.
+        return asdict(self)
+
+    @classmethod
+    def from_metadata(cls, meta: dict) -> ChunkRecord:
+        """Rows written before a field existed read as its default; keys this version does not know are ignored."""
+        return cls(**{name: meta[name] for name in _FIELDS if name in meta})
+
+
+_FIELDS = tuple(f.name for f in fields(ChunkRecord))
