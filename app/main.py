@@ -22,14 +22,18 @@ def create_app(settings: Settings | None = None, *, embedder=None, llm=None) -> 
     replaces the vLLM client (the fast test tier's fake, ``tests/fakes.py``)."""
     settings = settings or Settings()
     from app.metrics import ServiceMetrics
+    from app.runtime import GCPauses, freeze_start_up
 
     metrics = ServiceMetrics()  # built with the app: the HTTP instrumentation below records into it
+    gc_pauses = GCPauses(metrics.registry)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         from app.services import build_services
 
         services = await build_services(settings, embedder=embedder, metrics=metrics, llm=llm)
+        freeze_start_up()  # before the first request: the collector no longer rescans what lives as long as we do
+        gc_pauses.start()
         service = services.rag()
         app.state.settings, app.state.upstream, app.state.metrics = settings, services.upstream, metrics
         app.state.service = service
@@ -49,6 +53,7 @@ def create_app(settings: Settings | None = None, *, embedder=None, llm=None) -> 
                     await task
             service.planner.close()
             await services.aclose()
+            gc_pauses.stop()
 
     app = FastAPI(title="prefixrag", version="0.1.0", lifespan=lifespan,
                   description="Retrieval-augmented answers from vLLM, with prompts built for prefix-cache hits.")

@@ -22,7 +22,7 @@ from bench.common import environment, write_json
 
 
 def corpus_bytes(root: Path) -> int:
-    from ingest.pipeline import discover
+    from ingest.files import discover
 
     files, _, _ = discover([root])
     return sum(path.stat().st_size for path, _ in files)

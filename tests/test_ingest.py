@@ -93,15 +93,15 @@ def test_removed_jsonl_record_is_deleted_without_prune(tmp_path, settings_factor
 
 
 def test_unchanged_files_are_not_even_parsed(tmp_path, settings_factory, embedder, monkeypatch):
-    import ingest.pipeline
+    import ingest.files
 
     corpus = write_corpus(tmp_path / "corpus")
     settings = settings_factory()
     run_ingest([corpus], settings, embedder)
     (corpus / "notes.txt").write_text("Barnacles glue themselves to rocks for life, and moult.\n")
     parsed = []
-    real_load = ingest.pipeline.load_file
-    monkeypatch.setattr(ingest.pipeline, "load_file", lambda path, *a: parsed.append(path.name) or real_load(path, *a))
+    real_load = ingest.files.load_file
+    monkeypatch.setattr(ingest.files, "load_file", lambda path, *a: parsed.append(path.name) or real_load(path, *a))
     report = run_ingest([corpus], settings, embedder)
     assert parsed == ["notes.txt"] and report.files_updated == 1 and report.files_unchanged == 4
 
