@@ -22,10 +22,10 @@ def create_app(settings: Settings | None = None, *, embedder=None, llm=None) -> 
     replaces the vLLM client (the fast test tier's fake, ``tests/fakes.py``)."""
     settings = settings or Settings()
     from app.metrics import ServiceMetrics
-    from app.runtime import GCPauses, freeze_start_up
+    from app.runtime import GCPauses, LoopLag, freeze_start_up
 
     metrics = ServiceMetrics()  # built with the app: the HTTP instrumentation below records into it
-    gc_pauses = GCPauses(metrics.registry)
+    gc_pauses, loop_lag = GCPauses(metrics.registry), LoopLag(metrics.registry)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -41,7 +41,8 @@ def create_app(settings: Settings | None = None, *, embedder=None, llm=None) -> 
         tasks = [asyncio.create_task(services.upstream.run_forever(), name="vllm-monitor"),
                  asyncio.create_task(service.warmer.run_forever(), name="warmer"),
                  asyncio.create_task(service.collection.run_forever(settings.chroma.poll_s),
-                                     name="collection-watcher")]
+                                     name="collection-watcher"),
+                 asyncio.create_task(loop_lag.run_forever(), name="loop-lag")]
         log.info("prefixrag serving collection %r from %s; vLLM at %s", settings.chroma.collection,
                  settings.chroma.url or settings.chroma.path, settings.vllm.url)
         try:

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+if TYPE_CHECKING:  # the service imports these metrics; its readiness is only read here
+    from app.rag.readiness import Readiness
 
 _LATENCY_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60)
 
@@ -31,7 +35,7 @@ class ServiceMetrics:
                                           registry=r)
         self._totals: dict[str, list[int]] = {}
 
-    def watch(self, readiness: Callable[[], dict]) -> None:
+    def watch(self, readiness: Callable[[], Readiness]) -> None:
         """Publish, at every scrape, the state the service keeps anyway (``RAGService.readiness``)."""
         self.registry.register(_StateCollector(readiness))
 
@@ -49,25 +53,25 @@ class ServiceMetrics:
 class _StateCollector:
     """Readiness, pre-warm progress and admission, read at scrape time (no second copy to keep in step)."""
 
-    def __init__(self, readiness: Callable[[], dict]) -> None:
+    def __init__(self, readiness: Callable[[], Readiness]) -> None:
         self.readiness = readiness
 
     def collect(self) -> Iterator[Metric]:
         state = self.readiness()
-        warmup, traffic = state["warmup"], state["traffic"]
+        warmup, traffic = state.warmup, state.traffic
         yield GaugeMetricFamily("prefixrag_ready", "1 when the service can answer (vLLM up, collection readable).",
-                                value=int(state["ready"]))
+                                value=int(state.ready))
         units = GaugeMetricFamily("prefixrag_warmup_units", "Pre-warm units planned and warmed.", labels=["kind"])
-        units.add_metric(["planned"], warmup["units_planned"])
-        units.add_metric(["warmed"], warmup["units_warmed"])
+        units.add_metric(["planned"], warmup.units_planned)
+        units.add_metric(["warmed"], warmup.units_warmed)
         yield units
         yield GaugeMetricFamily("prefixrag_warmup_tokens", "Prompt tokens the current pre-warm has sent.",
-                                value=warmup["tokens"])
+                                value=warmup.tokens)
         yield GaugeMetricFamily("prefixrag_warmup_done", "1 once the current pre-warm has finished.",
-                                value=int(warmup["state"] == "done"))
+                                value=int(warmup.done))
         yield GaugeMetricFamily("prefixrag_requests_present", "User requests admitted (in flight or queued).",
-                                value=traffic["present"])
+                                value=traffic.present)
         yield CounterMetricFamily("prefixrag_requests_refused", "Requests refused with 429 (at capacity).",
-                                  value=traffic["refused"])
+                                  value=traffic.refused)
         yield CounterMetricFamily("prefixrag_warmup_yields", "Pre-warm requests aborted to let a user go first.",
-                                  value=traffic["warmup_yields"])
+                                  value=traffic.warmup_yields)

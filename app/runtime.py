@@ -4,11 +4,13 @@ After start-up the process holds ~0.5M tracked objects that live as long as it d
 Chroma, the encoder); a full collection scans them all, 0.3-0.5 s here, and under load one came every few
 seconds: every request and ``/healthz`` waited for it. ``freeze_start_up`` moves them out of the collector's
 sight once, before the first request (they are still freed by reference counting if ever dropped);
-``GCPauses`` publishes every collection's pause, so a regression shows in ``/metrics``.
+``GCPauses`` publishes every collection's pause, and ``LoopLag`` how late the loop itself runs, so a request's
+wait for the loop shows in ``/metrics`` apart from the machine's own load.
 """
 
 from __future__ import annotations
 
+import asyncio
 import atexit
 import gc
 import logging
@@ -55,3 +57,20 @@ class GCPauses:
             self._started = time.perf_counter()
         else:
             self.pauses.labels(str(info["generation"])).observe(time.perf_counter() - self._started)
+
+
+class LoopLag:
+    """``prefixrag_event_loop_lag_seconds``: how much later than asked the loop resumes a task that sleeps
+    ``interval`` -- what any request (``/healthz`` too) would have waited for the loop at that moment."""
+
+    def __init__(self, registry: CollectorRegistry, interval_s: float = 0.1) -> None:
+        self.interval_s = interval_s
+        self.lag = Histogram("prefixrag_event_loop_lag_seconds", "How late the event loop resumed a sleeping task.",
+                             buckets=_PAUSE_BUCKETS, registry=registry)
+
+    async def run_forever(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            asleep = loop.time()
+            await asyncio.sleep(self.interval_s)
+            self.lag.observe(max(0.0, loop.time() - asleep - self.interval_s))

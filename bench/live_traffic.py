@@ -135,9 +135,9 @@ async def phases(args, url: str, vllm_url: str, pid: int, questions: list[str], 
         after = [await timed_question(client, q, started, args.gap_s) for q in questions]
         cold = await cold_questions(client, vllm_url, questions, started, args.gap_s)
         single = await load(client, questions, 1, args.single_s)
-        rss_before, gc_before = rss_kib(pid), await gc_pauses(client)
+        rss_before, pauses_before = rss_kib(pid), await app_pauses(client)
         loaded = await load(client, questions, args.clients, args.load_s)
-        rss_after, gc_after = rss_kib(pid), await gc_pauses(client)
+        rss_after, pauses_after = rss_kib(pid), await app_pauses(client)
         readiness = (await client.get("/readyz")).json()
     ratios = [d["ttft_ms"] / a["ttft_ms"] for d, a in zip(during, after)]
     admitted = [r["ms"] for r in loaded["requests"] if r["status"] == 200]
@@ -151,8 +151,9 @@ async def phases(args, url: str, vllm_url: str, pid: int, questions: list[str], 
         "load": loaded | {"clients": args.clients, "p50_ms": percentile(admitted, 50),
                           "p99_ms": percentile(admitted, 99),
                           "p99_over_single_p50": round(percentile(admitted, 99) / single_p50, 2),
-                          "gc_pauses": {gen: {key: round(value - gc_before.get(gen, {}).get(key, 0), 1)
-                                              for key, value in counts.items()} for gen, counts in gc_after.items()}},
+                          "app_pauses": {series: {key: round(value - pauses_before.get(series, {}).get(key, 0), 1)
+                                                  for key, value in counts.items()}
+                                         for series, counts in pauses_after.items()}},
         "rss_kib": [rss_before, rss_after], "rss_growth": round(rss_after / rss_before - 1, 3),
     }
 
@@ -222,24 +223,29 @@ async def load(client: httpx.AsyncClient, questions: list[str], clients: int, se
             "cpu_share": {name: round(cpu[i] / sum(cpu), 3) for i, name in CPU_FIELDS.items()}}
 
 
-async def gc_pauses(client: httpx.AsyncClient) -> dict[str, dict[str, float]]:
-    """The app's garbage-collection pauses so far, per generation: how many, their total, how many over 50 ms."""
+PAUSES = {"prefixrag_gc_pause_seconds": "gc", "prefixrag_event_loop_lag_seconds": "loop"}
+
+
+async def app_pauses(client: httpx.AsyncClient) -> dict[str, dict[str, float]]:
+    """The app's pauses so far, from its /metrics: garbage collections (per generation) and event-loop lag (how
+    late a task sleeping 0.1 s was resumed): how many, their total, how many over 10 and over 50 ms."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    text = (await client.get("/metrics")).text
     found: dict[str, dict[str, float]] = {}
-    for family in text_string_to_metric_families(text):
-        if family.name != "prefixrag_gc_pause_seconds":
+    for family in text_string_to_metric_families((await client.get("/metrics")).text):
+        if family.name not in PAUSES:
             continue
         for sample in family.samples:
-            row = found.setdefault(sample.labels["generation"], {"count": 0, "total_ms": 0.0, "over_50ms": 0})
+            series = PAUSES[family.name] + (f":{sample.labels['generation']}" if "generation" in sample.labels else "")
+            row = found.setdefault(series, {"count": 0, "total_ms": 0.0, "over_10ms": 0, "over_50ms": 0})
             if sample.name.endswith("_count"):
                 row["count"] += sample.value
+                row["over_10ms"] += sample.value
                 row["over_50ms"] += sample.value
             elif sample.name.endswith("_sum"):
                 row["total_ms"] += sample.value * 1000
-            elif sample.name.endswith("_bucket") and sample.labels["le"] == "0.05":
-                row["over_50ms"] -= sample.value
+            elif sample.name.endswith("_bucket") and sample.labels["le"] in ("0.01", "0.05"):
+                row["over_10ms" if sample.labels["le"] == "0.01" else "over_50ms"] -= sample.value
     return found
 
 

@@ -7,7 +7,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 
 from app.core.settings import GenerationSettings, TrafficSettings
 from app.errors import BadRequest, ContextTooLong, StoreUnavailable, UpstreamUnavailable
@@ -20,6 +20,7 @@ from app.rag.context import ContextChunk, PromptBuilder
 from app.rag.conversation import Plan, fit_conversation, new_context_per_turn
 from app.rag.lru import AsyncLRU
 from app.rag.planner import ContextPlanner
+from app.rag.readiness import Readiness
 from app.rag.requests import ChatQuery, Conversation, Query, RequestRules
 from app.rag.retriever import Retriever
 from app.rag.traffic import LiveTraffic
@@ -83,13 +84,11 @@ class RAGService:
         self._first_contexts: AsyncLRU[list[ContextChunk]] = AsyncLRU(RETRIEVAL_CACHE_SIZE)
         self.collection = CollectionWatcher(retriever, self._collection_changed)
 
-    def readiness(self) -> dict:
-        """Can it answer now? vLLM's status (``Upstream.status``), not ready while the collection is missing or
-        unreadable; pre-warm's progress and the load are reported, never waited for."""
-        status = self.upstream.status()
-        if self.collection.problem:
-            status |= {"ready": False, "reason": self.collection.problem}
-        return status | {"warmup": asdict(self.warmer.progress), "traffic": asdict(self.traffic.status())}
+    def readiness(self) -> Readiness:
+        """Can it answer now? vLLM's status, not ready while the collection is missing or unreadable; pre-warm's
+        progress and the load are reported, never waited for."""
+        return Readiness(self.upstream.status(), self.collection.problem, self.warmer.progress,
+                         self.traffic.status())
 
     def answer_stream(self, query: Query) -> AsyncGenerator[Delta | Answer, None]:
         """``/ask``: a one-turn conversation. Yields answer deltas as vLLM produces them, then one ``Answer``.

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 from app.core.settings import VLLMSettings
 from app.errors import ServiceError, UpstreamUnavailable
@@ -26,6 +26,22 @@ class UpstreamInfo:
     prefix_caching: bool
     kv_cache_tokens: int
     special_tokens: tuple[str, ...] = ()  # the served tokenizer's, kept out of untrusted text
+
+
+@dataclass(frozen=True)
+class RouterStatus:
+    healthy: int
+    total: int
+    replicas: list[Replica]
+
+
+@dataclass(frozen=True)
+class UpstreamStatus:
+    ready: bool
+    reason: str
+    vllm_url: str
+    vllm: UpstreamInfo | None
+    router: RouterStatus | None = None  # behind vllm-router: how many replicas it can route to
 
 
 class Upstream:
@@ -165,10 +181,8 @@ class Upstream:
                             block_size=int(cache.get("block_size") or 16), prefix_caching=prefix_caching,
                             kv_cache_tokens=sum(int(c.get("kv_cache_size_tokens") or 0) for c in caches))
 
-    def status(self) -> dict:
-        status = {"ready": self.ready, "reason": self.reason, "vllm_url": self.settings.url,
-                  "vllm": asdict(self.info) if self.info else None}
-        if self.replicas is not None:  # behind vllm-router: how many replicas it can route to
-            status["router"] = {"healthy": len(self._healthy(self.replicas)), "total": len(self.replicas),
-                                "replicas": [asdict(r) for r in self.replicas]}
-        return status
+    def status(self) -> UpstreamStatus:
+        router = None
+        if self.replicas is not None:
+            router = RouterStatus(len(self._healthy(self.replicas)), len(self.replicas), list(self.replicas))
+        return UpstreamStatus(self.ready, self.reason, self.settings.url, self.info, router)

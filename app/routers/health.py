@@ -23,9 +23,8 @@ async def readyz(service: ServiceDep, allowed: HoldsKey) -> JSONResponse:
     probes without a key; with RAG_API_KEY set, only a caller holding the key sees the details (vLLM's URL,
     model, window, KV size, warm-up progress)."""
     status = service.readiness()
-    if not allowed:
-        status = {"ready": status["ready"], "reason": "ready" if status["ready"] else "not ready"}
-    return JSONResponse(status, status_code=200 if status["ready"] else 503)
+    body = status.to_json() if allowed else {"ready": status.ready, "reason": "ready" if status.ready else "not ready"}
+    return JSONResponse(body, status_code=200 if status.ready else 503)
 
 
 @router.get("/metrics", dependencies=[Authorized], response_class=Response,
