@@ -57,7 +57,8 @@ class Upstream:
         self._subscribers: list[Callable[[UpstreamInfo], None]] = []
 
     def subscribe(self, subscriber: Callable[[UpstreamInfo], None]) -> None:
-        """``subscriber(info)`` now if vLLM is known, then whenever the model or its special tokens change."""
+        """``subscriber(info)`` now if vLLM is known, then each time it is first seen, comes back or serves another
+        model (what it serves may have changed)."""
         self._subscribers.append(subscriber)
         if self.info is not None:
             subscriber(self.info)
