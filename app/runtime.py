@@ -1,11 +1,11 @@
 """Short pauses for the event loop: Python's cyclic garbage collector stops the whole process while it scans.
 
 After start-up the process holds ~0.5M tracked objects that live as long as it does (torch, transformers,
-Chroma, the encoder); a full collection scans them all (552 ms measured beside the Python docs' service graph,
-48 ms once they were frozen), and every request waits while one runs. ``freeze_start_up`` moves them out of the
-collector's sight once, before the first request (they are still freed by reference counting if ever dropped);
-``GCPauses`` publishes every collection's pause, and ``LoopLag`` how late the loop itself runs, so a request's
-wait for the loop shows in ``/metrics`` apart from the machine's own load.
+Chroma, the encoder); a full collection scans them all (288 ms beside the Python docs' service graph, 19 ms once
+they were frozen: ``bench/results/gc-pause.json``), and every request waits while one runs. ``freeze_start_up``
+moves them out of the collector's sight once, before the first request (still freed by reference counting if
+ever dropped); ``GCPauses`` publishes every collection's pause, and ``LoopLag`` how late the loop itself runs, so
+a request's wait for the loop shows in ``/metrics`` apart from the machine's own load.
 """
 
 from __future__ import annotations

@@ -1,0 +1,86 @@
+"""How long a full garbage collection stops the service process, before and after ``app.runtime.freeze_start_up``.
+
+Builds the service graph on an ingested collection (encoder loaded, Chroma open), runs a few retrievals (the BM25
+index and pages load) and reads every chunk (what the corpus strategy holds), then times ``gc.collect()`` of each
+generation; then freezes the objects alive after start-up, as the app does in its lifespan, and times the same
+over what was created after it. Run it alone on the machine: a full collection is CPU-bound.
+
+    python -m bench.gc_pause --chroma data/bench-live --collection live-python-3.11-docs-html
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from bench.common import environment, write_json
+
+QUESTIONS = ("How do I configure sys.path?", "What is a generator?", "How does the asyncio event loop work?")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m bench.gc_pause", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--chroma", type=Path, required=True, help="on-disk Chroma holding an ingested collection")
+    parser.add_argument("--collection", required=True)
+    parser.add_argument("--out", type=Path, default=Path("bench/results/gc-pause.json"))
+    parser.add_argument("--measure-frozen", action="store_true",
+                        help="internal: print the frozen measurement only (run in a fresh process)")
+    return parser.parse_args(argv)
+
+
+def collections_ms() -> dict[str, float]:
+    """Each generation collected once, youngest first, in milliseconds."""
+    timed = {}
+    for generation in (0, 1, 2):
+        started = time.perf_counter()
+        gc.collect(generation)
+        timed[f"gen{generation}"] = round((time.perf_counter() - started) * 1000, 1)
+    return timed
+
+
+async def measure(args: argparse.Namespace, freeze: bool) -> dict:
+    from app.core.settings import Settings
+    from app.runtime import freeze_start_up
+    from app.services import build_services
+
+    settings = Settings(_env_file=None)
+    settings.chroma.path, settings.chroma.collection = args.chroma, args.collection
+    settings.generation.hotness_dir = None
+    services = await build_services(settings)
+    if freeze:
+        freeze_start_up()  # where the app's lifespan calls it: after the graph is built
+    for question in QUESTIONS:
+        await services.retriever.retrieve(question, 5, None)
+    chunks = await services.retriever.chunks_where(None)
+    result = {"chunks": len(chunks), "tracked_objects": len(gc.get_objects()), "frozen": gc.get_freeze_count(),
+              "collect_ms": collections_ms()}
+    await services.aclose()
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    if args.measure_frozen:
+        print(json.dumps(asyncio.run(measure(args, freeze=True))))
+        return 0
+    # Frozen in a fresh process: a process freezes once, and must start with nothing frozen to compare.
+    child = subprocess.run([sys.executable, "-m", "bench.gc_pause", *argv, "--measure-frozen"],
+                           capture_output=True, text=True, check=True)
+    result = {"unfrozen": asyncio.run(measure(args, freeze=False)),
+              "frozen": json.loads(child.stdout.strip().splitlines()[-1]),
+              "command": "python -m bench.gc_pause " + " ".join(argv), "environment": environment()}
+    write_json(args.out, result)
+    print({key: result[key]["collect_ms"] for key in ("unfrozen", "frozen")})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
