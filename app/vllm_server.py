@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from app.core.settings import Settings, VLLMServerSettings
+from app.vllm_entry import PRIME_ENV
 
 TEST_MODEL_NAME = "prefixrag-test-model"
 
@@ -57,7 +58,7 @@ def build_command(cfg: VLLMServerSettings, gpu: bool) -> tuple[list[str], dict[s
     if cfg.test_model or cfg.model == "smollm2" or Path(model).is_dir():
         quiet |= {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     argv = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        sys.executable, "-m", "app.vllm_entry",  # vLLM's OpenAI server, detokenizer priming bounded
         "--model", model, "--served-model-name", served_name, "--host", cfg.host, "--port", str(cfg.port),
         "--max-model-len", str(cfg.max_model_len), "--enable-prefix-caching", "--enable-chunked-prefill",
         "--dtype", cfg.dtype, "--enable-prompt-tokens-details",
@@ -75,6 +76,7 @@ def build_command(cfg: VLLMServerSettings, gpu: bool) -> tuple[list[str], dict[s
     if cfg.enforce_eager if cfg.enforce_eager is not None else defaults.get("enforce_eager", False):
         argv += ["--enforce-eager"]
     env = quiet | ({"VLLM_SERVER_DEV_MODE": "1"} if cfg.dev_mode else {})
+    env[PRIME_ENV] = str(cfg.detokenizer_prime_tokens)
     if gpu:
         argv += ["--gpu-memory-utilization", str(cfg.gpu_memory_utilization),
                  "--tensor-parallel-size", str(cfg.tensor_parallel_size)]

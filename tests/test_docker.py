@@ -11,6 +11,7 @@ import yaml
 
 from app.cluster import ROUTER_FLAGS
 from app.core.settings import VLLMServerSettings
+from app.vllm_entry import PRIME_ENV
 from app.vllm_server import build_command
 from tests.conftest import ROOT
 
@@ -45,9 +46,10 @@ def test_the_compose_file_validates(profile):
 
 def test_gpu_replicas_use_exactly_the_launchers_flags(compose):
     argv, _ = build_command(VLLMServerSettings(model="some/model"), gpu=True)
-    launcher = flags(argv[argv.index("vllm.entrypoints.openai.api_server") + 1:])
+    launcher = flags(argv[argv.index("app.vllm_entry") + 1:])
     replica = compose["x-vllm-gpu"]
-    assert replica["entrypoint"][-1] == "vllm.entrypoints.openai.api_server"
+    entry = replica["entrypoint"][-1]  # the launcher's entry module, mounted into vLLM's image
+    assert f"../app/vllm_entry.py:{entry}:ro" in replica["volumes"] and PRIME_ENV in replica["environment"]
     assert set(flags(replica["command"])) == set(launcher)
     fixed = {"--enable-prefix-caching", "--enable-chunked-prefill", "--enable-prompt-tokens-details",
              "--enable-tokenizer-info-endpoint", "--scheduling-policy", "--dtype", "--tensor-parallel-size"}

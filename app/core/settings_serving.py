@@ -55,6 +55,9 @@ class VLLMServerSettings(BaseModel):
         None, description="Skip graph capture/compile (default: on for CPU, where start-up drops from ~100 s to "
         "~40 s; off on GPU, where CUDA graphs make decoding fast).")
     dev_mode: bool = Field(False, description="VLLM_SERVER_DEV_MODE=1: enables POST /reset_prefix_cache (bench).")
+    detokenizer_prime_tokens: int = Field(
+        128, ge=0, description="Prime vLLM's streaming detokenizer with only the prompt's last N tokens, not the "
+        "whole prompt, which it decodes inside every request's TTFT (app.vllm_entry; 0: vLLM unchanged).")
     extra_args: list[str] = Field(default_factory=list, description="Further vLLM CLI arguments, passed verbatim.")
 
 
