@@ -4,7 +4,7 @@ Since vllm-project/vllm#34217 (every vLLM we run: 0.26 CUDA, 0.32 CPU) the API s
 incremental detokenizer with the *whole* prompt, and that prime is decoded when the first output token arrives, on
 the API server's event loop: O(prompt) work inside every request's TTFT that also holds up every other stream.
 prefixrag's prompts are long and mostly cached, so this is where their first token waits (a 4.4K-token prompt:
-5 ms on this CPU; README, "TTFT is the open part"). Decoding a continuation needs only a short left context, so
+5 ms on a 2-core CPU; README, "Serving vLLM"). Decoding a continuation needs only a short left context, so
 the detokenizer is primed with the prompt's last tokens instead — the change proposed upstream in
 vllm-project/vllm#51281 and #57330 (open). The fix applies only where vLLM's code still primes with the whole
 prompt, and only in this process (with ``--api-server-count`` > 1 the extra API servers run unpatched).
