@@ -44,7 +44,8 @@ def main(argv: list[str] | None = None) -> int:
     # log_config=None: uvicorn's lines go through ours (request id, quiet probes).
     uvicorn.run(app, factory=args.reload, reload=args.reload, host=settings.service.host,
                 port=settings.service.port, log_level="info",
-                timeout_graceful_shutdown=math.ceil(settings.traffic.drain_s), log_config=None)
+                timeout_graceful_shutdown=math.ceil(settings.traffic.drain_s),
+                timeout_keep_alive=settings.service.keep_alive_s, log_config=None)
     return 0
 
 

@@ -7,6 +7,7 @@ import asyncio
 import os
 import random
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -164,6 +165,28 @@ def test_sigterm_drains_for_a_bounded_time_then_exits_leaving_no_vllm_work(colle
         output = app.communicate()[0]
     assert app.returncode in (0, -signal.SIGTERM), output  # uvicorn re-raises the signal once it has shut down
     assert "Cancel 1 running task(s), timeout graceful shutdown exceeded" in output
+
+
+def test_an_idle_connection_outlives_the_idle_limit_of_httpxs_pool(collections, vllm_url):
+    """uvicorn closes idle connections after 5 s, exactly when httpx's pool (and the openai client's) may reuse
+    one: under load a client then got a reset instead of a status (bench.live_traffic, one ReadError)."""
+    port = free_port()
+    env = os.environ | {"RAG_VLLM_URL": vllm_url, "RAG_CHROMA_PATH": str(collections), "RAG_COLLECTION": "facts",
+                        "RAG_SERVICE__PORT": str(port)}
+    app = subprocess.Popen([sys.executable, "-m", "app"], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL)
+    try:
+        wait_for_http(f"http://127.0.0.1:{port}/healthz", 120, app)
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as connection:
+            probe = b"GET /healthz HTTP/1.1\r\nHost: app\r\n\r\n"
+            connection.sendall(probe)
+            assert connection.recv(4096).startswith(b"HTTP/1.1 200")
+            time.sleep(httpx.Limits().keepalive_expiry + 1)  # idle past the client pool's own limit
+            connection.sendall(probe)
+            assert connection.recv(4096).startswith(b"HTTP/1.1 200"), "the server closed an idle connection first"
+    finally:
+        app.kill()
+        app.wait()
 
 
 @pytest.fixture(scope="module")

@@ -127,6 +127,10 @@ class ServiceSettings(BaseModel):
     host: str = Field("127.0.0.1", description="Bind address of the query service.")
     port: int = Field(8080, ge=1, le=65535, description="Port of the query service.")
     api_key: str | None = Field(None, description="Optional Bearer key required on every endpoint but health.")
+    keep_alive_s: int = Field(
+        75, ge=1, description="How long an idle client connection is kept open. Longer than common clients' own "
+        "idle limits (httpx 5 s, aiohttp 15 s, a load balancer's 60 s), so the client always closes first: a server "
+        "closing a connection just as a client reuses it fails that client's request (a reset, not a status).")
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024, description="Largest request body accepted (413 above "
                                 "it); checked while the body streams in, after authentication.")
     prompts_dir: Path = Field(Path(__file__).resolve().parents[2] / "prompts", description="Prompt templates.")
