@@ -28,6 +28,8 @@ def error_response(exc: ServiceError) -> JSONResponse:
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ServiceError)
     async def _service_error(request: Request, exc: ServiceError) -> JSONResponse:
+        if exc.status >= 500:  # the service failed the user: say why, once, on the request's own log line
+            log.warning("%s %s: %s", exc.status, exc.code, exc.message)
         return error_response(exc)
 
     @app.exception_handler(RequestValidationError)

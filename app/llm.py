@@ -9,7 +9,7 @@ from typing import Any
 
 import httpx
 import openai
-from openai import AsyncOpenAI
+from openai import AsyncOpenAI, DefaultAsyncHttpxClient
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
@@ -37,14 +37,25 @@ class Delta:
     text: str
 
 
+# Idle connections to vLLM are dropped after 2 s, before vLLM's (uvicorn's) 5 s keep-alive closes them: with
+# httpx's own 5 s, a request sent on a connection idle for ~5 s can meet vLLM closing it and fail as "not
+# reachable" (the likely cause of one 503, with vLLM up, under load in bench.live_traffic).
+POOL = httpx.Limits(max_connections=1000, max_keepalive_connections=100, keepalive_expiry=2.0)
+# The same limits for the openai SDK, whose transport is its own httpx fork (its Limits type).
+SDK_POOL = type(openai.DEFAULT_CONNECTION_LIMITS)(max_connections=POOL.max_connections,
+                                                  max_keepalive_connections=POOL.max_keepalive_connections,
+                                                  keepalive_expiry=POOL.keepalive_expiry)
+
+
 class LLMClient:
     def __init__(self, settings: VLLMSettings) -> None:
         self.settings = settings
         self.model: str | None = settings.model  # the configured one, then what vLLM serves (``use_model``)
         self.openai = AsyncOpenAI(base_url=settings.url, api_key=settings.api_key, timeout=settings.timeout_s,
-                                  max_retries=0)  # retry policy is ours (readiness monitor), not the SDK's
+                                  max_retries=0,  # retry policy is ours (readiness monitor), not the SDK's
+                                  http_client=DefaultAsyncHttpxClient(limits=SDK_POOL))
         root = settings.url.rstrip("/").removesuffix("/v1")
-        self.http = httpx.AsyncClient(base_url=root, timeout=settings.timeout_s,
+        self.http = httpx.AsyncClient(base_url=root, timeout=settings.timeout_s, limits=POOL,
                                       headers={"Authorization": f"Bearer {settings.api_key}"})
 
     def use_model(self, model: str) -> None:

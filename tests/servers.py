@@ -68,6 +68,7 @@ class TcpProxy:
         self.loop = asyncio.new_event_loop()
         self.server = None
         self.writers: set[asyncio.StreamWriter] = set()
+        self.accepted = 0  # connections clients opened through the proxy
         threading.Thread(target=self.loop.run_forever, daemon=True).start()
 
     def _call(self, coro):
@@ -92,6 +93,7 @@ class TcpProxy:
         self.writers.clear()
 
     async def _handle(self, reader, writer) -> None:
+        self.accepted += 1
         try:
             up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
         except OSError:

@@ -3,15 +3,20 @@ Unicode, invalid JSON, wrong methods, and a request storm while vLLM is down. Re
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 
 import httpx
 import pytest
 
+from app.core.settings import VLLMSettings
+from app.llm import POOL, LLMClient
 from app.main import create_app
 from tests.corpora import app_settings
 from tests.servers import AppServer, proxy_in_front_of
+
+VLLM_KEEP_ALIVE_S = 5  # uvicorn's default, which vLLM keeps (VLLM_HTTP_TIMEOUT_KEEP_ALIVE)
 
 pytestmark = pytest.mark.vllm
 MB = 1024 * 1024
@@ -112,6 +117,8 @@ def test_failing_requests_do_not_speed_up_the_vllm_probes(collections, vllm_url,
     assert len([p for p in probes if p <= started + elapsed]) <= elapsed / 1.0 + 2, (len(probes), elapsed)
     warnings = [r for r in caplog.records if r.name == "prefixrag.upstream" and r.levelname == "WARNING"]
     assert len(warnings) <= 2, [r.getMessage() for r in warnings]
+    failed = [r.getMessage() for r in caplog.records if r.name == "prefixrag.http" and r.levelname == "WARNING"]
+    assert len(failed) == 40 and failed[0].startswith("503 upstream_unavailable: vLLM"), failed[:3]
 
 
 def test_readyz_details_need_the_key(keyed):
@@ -204,3 +211,23 @@ def test_a_stream_that_cannot_start_gets_the_same_status_as_a_plain_request(coll
     for response in (asked, chatted):
         assert response.status_code == 503, response.text
         assert response.headers["retry-after"] and response.json()["error"]["code"] == "upstream_unavailable"
+
+
+async def test_idle_connections_to_vllm_are_dropped_before_vllms_keep_alive_closes_them(vllm_url):
+    """vLLM (uvicorn) closes a connection idle for 5 s; a request sent on one just then fails. The client reuses a
+    connection while it is fresh and opens a new one once it has idled past its own, shorter limit."""
+    proxy, proxied = proxy_in_front_of(vllm_url)
+    llm = LLMClient(VLLMSettings(url=proxied))
+    try:
+        for call in (lambda: llm.openai.models.list(), lambda: llm.http.get("/health")):
+            opened = proxy.accepted
+            await call()
+            await call()
+            assert proxy.accepted == opened + 1, "a fresh connection is reused"
+            await asyncio.sleep(POOL.keepalive_expiry + 0.5)
+            await call()
+            assert proxy.accepted == opened + 2, "an idle one is not"
+            assert POOL.keepalive_expiry < VLLM_KEEP_ALIVE_S
+    finally:
+        await llm.aclose()
+        proxy.down()
