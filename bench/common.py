@@ -31,8 +31,9 @@ def environment() -> dict:
         except Exception:
             return None
 
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=Path(__file__).parent).stdout.strip()
+    # "-dirty" when the files differ from that commit (e.g. a device's copy of the tree beside an older .git).
+    commit = subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=7"], capture_output=True,
+                            text=True, cwd=Path(__file__).parent).stdout.strip()
     return {
         "when": datetime.now(UTC).isoformat(timespec="seconds"), "commit": commit or None,
         "python": platform.python_version(), "machine": platform.machine(), "cpus": os.cpu_count(),
