@@ -4,10 +4,10 @@ client that leaves takes its vLLM request with it, and SIGTERM drains then exits
 from __future__ import annotations
 
 import asyncio
+import http.client
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -111,7 +111,9 @@ def test_over_capacity_is_a_fast_429_with_retry_after_in_openai_shape(collection
             assert int(response.headers["Retry-After"]) >= 1
             assert response.json()["error"]["code"] == "overloaded"
             assert set(response.json()["error"]) == {"message", "type", "param", "code"}
-        assert elapsed < 5, "refused at once, not after waiting"
+        # At once, not after waiting for the slot (its holder decodes for minutes); the bound leaves room for the
+        # event-loop stalls this 2-core VM shows under load (README, live traffic: up to seconds).
+        assert elapsed < 15, "refused at once, not after waiting"
         assert metric_total(metrics, "prefixrag_requests_refused_total") == 3
         # The holder has gone: its slot comes back and requests are admitted again.
         wait_until(lambda: httpx.post(server.url + "/ask", json={"question": "What do anchors do?"},
@@ -177,13 +179,14 @@ def test_an_idle_connection_outlives_the_idle_limit_of_httpxs_pool(collections, 
                            stderr=subprocess.DEVNULL)
     try:
         wait_for_http(f"http://127.0.0.1:{port}/healthz", 120, app)
-        with socket.create_connection(("127.0.0.1", port), timeout=10) as connection:
-            probe = b"GET /healthz HTTP/1.1\r\nHost: app\r\n\r\n"
-            connection.sendall(probe)
-            assert connection.recv(4096).startswith(b"HTTP/1.1 200")
-            time.sleep(httpx.Limits().keepalive_expiry + 1)  # idle past the client pool's own limit
-            connection.sendall(probe)
-            assert connection.recv(4096).startswith(b"HTTP/1.1 200"), "the server closed an idle connection first"
+        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+        connection.request("GET", "/healthz")
+        assert connection.getresponse().read() and connection.sock is not None
+        first_socket = connection.sock
+        time.sleep(httpx.Limits().keepalive_expiry + 1)  # idle past the client pool's own limit
+        connection.request("GET", "/healthz")  # raises RemoteDisconnected if the server closed it meanwhile
+        assert connection.getresponse().status == 200 and connection.sock is first_socket  # the same connection
+        connection.close()
     finally:
         app.kill()
         app.wait()
