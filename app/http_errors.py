@@ -16,20 +16,25 @@ log = logging.getLogger("prefixrag.http")
 HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
 
 
+def reported(exc: ServiceError) -> dict:
+    """``exc``'s OpenAI error body, as a response or a stream's error event. A failure of ours (5xx) is also
+    logged, once, with its reason, on the request's own log line."""
+    if exc.status >= 500:
+        log.warning("%s %s: %s", exc.status, exc.code, exc.message)
+    return error_body(exc.message, exc.type, exc.param, exc.code)
+
+
 def error_response(exc: ServiceError) -> JSONResponse:
     retry_after = getattr(exc, "retry_after_s", None)  # 503 (vLLM or Chroma away) and 429 (overloaded)
     headers = {"Retry-After": str(retry_after)} if retry_after else None
     if exc.status == 401:
         headers = {"WWW-Authenticate": "Bearer"}
-    return JSONResponse(error_body(exc.message, exc.type, exc.param, exc.code), status_code=exc.status,
-                        headers=headers)
+    return JSONResponse(reported(exc), status_code=exc.status, headers=headers)
 
 
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ServiceError)
     async def _service_error(request: Request, exc: ServiceError) -> JSONResponse:
-        if exc.status >= 500:  # the service failed the user: say why, once, on the request's own log line
-            log.warning("%s %s: %s", exc.status, exc.code, exc.message)
         return error_response(exc)
 
     @app.exception_handler(RequestValidationError)

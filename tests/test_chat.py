@@ -111,7 +111,7 @@ def test_api_key_when_set(collections, vllm_url, embedder):
         assert [m.id for m in client_for(server, "s3cret").models.list()] == ["prefixrag"]
 
 
-def test_stream_cut_by_vllm_going_away_ends_with_an_error(collections, vllm_url, embedder):
+def test_stream_cut_by_vllm_going_away_ends_with_an_error(collections, vllm_url, embedder, caplog):
     proxy, proxied = proxy_in_front_of(vllm_url)
     settings = app_settings(collections, proxied, collection="project-docs")
     with AppServer(create_app(settings, embedder=embedder)) as server:
@@ -127,6 +127,8 @@ def test_stream_cut_by_vllm_going_away_ends_with_an_error(collections, vllm_url,
                 if received == 3:
                     threading.Thread(target=proxy.down).start()
         assert received >= 3 and time.monotonic() - started < 60
+    reasons = [r.getMessage() for r in caplog.records if r.name == "prefixrag.http" and r.levelname == "WARNING"]
+    assert len(reasons) == 1 and reasons[0].startswith("5"), reasons  # the error event's reason, logged once
 
 
 def test_a_50_message_chat_retrieves_once_per_new_turn(collections, vllm_url, embedder):

@@ -11,6 +11,7 @@ from fastapi import APIRouter, Request
 
 from app.deps import Authorized, MetricsDep, ServiceDep
 from app.errors import ServiceError
+from app.http_errors import reported
 from app.llm import Delta
 from app.protocol import (
     INTERNAL_ERROR,
@@ -20,7 +21,6 @@ from app.protocol import (
     AskUsage,
     ErrorResponse,
     Timings,
-    error_body,
     sources_of,
 )
 from app.rag.requests import Query
@@ -67,7 +67,7 @@ async def _sse(events: AsyncIterator[Delta | Answer]) -> AsyncIterator[bytes]:
             else:
                 yield sse(to_response(event).model_dump_json(), "done")
     except ServiceError as exc:
-        yield sse(json.dumps(error_body(exc.message, exc.type, exc.param, exc.code)), "error")
+        yield sse(json.dumps(reported(exc)), "error")
     except Exception:  # the stream has begun: whatever failed, the client is told, never just cut off
         log.exception("unhandled error in an /ask stream")
         yield sse(json.dumps(INTERNAL_ERROR), "error")

@@ -13,6 +13,7 @@ from fastapi import APIRouter, Request
 
 from app.deps import Authorized, ServiceDep, SettingsDep
 from app.errors import NotFound, ServiceError
+from app.http_errors import reported
 from app.llm import Delta
 from app.protocol import (
     INTERNAL_ERROR,
@@ -29,7 +30,6 @@ from app.protocol import (
     ModelCard,
     ModelList,
     PromptTokensDetails,
-    error_body,
     sources_of,
 )
 from app.rag.conversation import Turn
@@ -110,7 +110,7 @@ async def _sse(events: AsyncIterator[Delta | Answer], ident: str, created: int, 
                 yield chunk(choices=[], usage=usage_of(event))
     except ServiceError as exc:
         # The openai client raises APIError on an "error" event: the stream ends clearly, never hangs.
-        yield sse(json.dumps(error_body(exc.message, exc.type, exc.param, exc.code)))
+        yield sse(json.dumps(reported(exc)))
     except Exception:  # the stream has begun: whatever failed, the client is told, never just cut off
         log.exception("unhandled error in a chat stream")
         yield sse(json.dumps(INTERNAL_ERROR))
