@@ -66,3 +66,43 @@ def test_a_chunk_deleted_after_the_index_was_built_is_left_out_not_an_error(tmp_
     assert found and target.id not in {c.id for c in found}
     assert [c.rank for c in found] == list(range(len(found)))
     retriever.close()
+
+
+# A stand-in for jax (not installed on CPU machines; on GPU machines it often is, and bm25s then uses it): it logs
+# the platform it was given and every top-k it is asked for.
+JAX_STUB = """import os
+open(os.environ['JAX_STUB_LOG'], 'w').write(f"platforms={os.environ.get('JAX_PLATFORMS')}\\n")
+"""
+LAX_STUB = """import os
+import numpy as np
+def top_k(scores, k):
+    open(os.environ['JAX_STUB_LOG'], 'a').write('top_k\\n')
+    order = np.argsort(-np.asarray(scores))[:k]
+    return np.asarray(scores)[order], order
+"""
+BM25_SCRIPT = """from app.core import lexical
+bm25 = lexical._bm25s().BM25()
+bm25.index(lexical.tokenize(["sys_path_init sets the search path", "the collector frees cycles", "asyncio"]),
+           show_progress=False)
+print(lexical.LexicalIndex("g", ["a", "b", "c"], ["s"] * 3, bm25).search("configure sys_path_init", 2))
+"""
+
+
+def test_bm25_keeps_an_installed_jax_off_the_gpu_and_selects_with_numpy(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    (tmp_path / "jax").mkdir()
+    (tmp_path / "jax" / "__init__.py").write_text(JAX_STUB)
+    (tmp_path / "jax" / "lax.py").write_text(LAX_STUB)
+    log = tmp_path / "jax.log"
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"} | {
+        "PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}", "JAX_STUB_LOG": str(log)}
+    found = subprocess.run([sys.executable, "-c", BM25_SCRIPT], env=env, cwd=ROOT, capture_output=True, text=True,
+                           check=True).stdout
+    assert found.startswith("[('a', ")
+    # bm25s's own top-k at import (on the CPU platform), none per query
+    assert log.read_text().splitlines() == ["platforms=cpu", "top_k"]

@@ -5,12 +5,14 @@ and row count, so it holds exactly the collection's ids: ingest rebuilds it afte
 collection (a run killed mid-way leaves the stamp behind, and the next run rebuilds); a service that finds the
 stamp differs builds its own copy in memory from Chroma. Only ingest writes the files (under its write lock).
 Scoring is bm25s (Lucene BM25) over lower-cased words, English stop words removed, Snowball-stemmed; words
-joined by underscores (``sys_path_init``) stay one token, so identifiers match exactly.
+joined by underscores (``sys_path_init``) stay one token, so identifiers match exactly. Top-k selection is numpy's,
+whatever else is installed (see ``_bm25s``).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import threading
 import uuid
@@ -32,10 +34,19 @@ def index_dir(cfg: ChromaSettings) -> Path:
     return derived_dir(cfg, "lexical")
 
 
-def tokenize(texts: list[str]) -> list[list[str]]:
+def _bm25s():
+    """bm25s, kept off the GPU. Where jax is installed (common on GPU machines), importing bm25s imports jax and
+    runs a top-k, and jax then claims 75 % of the GPU's memory (vLLM's, on a serving machine; measured on an H200:
+    "Failed to allocate 14.16GiB" beside vLLM, every query's selection then a jax dispatch beside vLLM's kernels).
+    So jax, if present, gets the CPU unless told otherwise, and ``search`` selects with numpy."""
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
     import bm25s
 
-    return bm25s.tokenize(texts, stopwords="en", stemmer=_stemmer(), return_ids=False, show_progress=False)
+    return bm25s
+
+
+def tokenize(texts: list[str]) -> list[list[str]]:
+    return _bm25s().tokenize(texts, stopwords="en", stemmer=_stemmer(), return_ids=False, show_progress=False)
 
 
 def _stemmer():
@@ -66,21 +77,19 @@ class LexicalIndex:
             return []
         mask = None if sources is None else np.array([s in sources for s in self.sources], dtype=np.float32)
         found, scores = self.bm25.retrieve(tokenize([question]), k=min(k, len(self.ids)), weight_mask=mask,
-                                           show_progress=False, n_threads=1)
+                                           show_progress=False, n_threads=1, backend_selection="numpy")
         return [(self.ids[i], float(s)) for i, s in zip(found[0], scores[0]) if s > 0]
 
 
 def build(collection) -> LexicalIndex:
     """Read every row of the collection (a page at a time) and index it."""
-    import bm25s
-
     generation, _ = stamp_of(collection)
     ids, texts, sources = [], [], []
     for page in all_rows(collection, ["documents", "metadatas"]):
         ids += page["ids"]
         texts += page["documents"]
         sources += [ChunkRecord.from_metadata(meta).source for meta in page["metadatas"]]
-    bm25 = bm25s.BM25()
+    bm25 = _bm25s().BM25()
     if texts:
         bm25.index(tokenize(texts), show_progress=False)
     return LexicalIndex(generation, ids, sources, bm25)
@@ -104,8 +113,7 @@ def save(index: LexicalIndex, folder: Path) -> None:
 
 def load(folder: Path) -> LexicalIndex | None:
     """The saved index, or None where there is none (or it cannot be read: it is rebuilt then)."""
-    import bm25s
-
+    bm25s = _bm25s()
     try:
         meta = json.loads((folder / META).read_text())
         bm25 = bm25s.BM25.load(str(folder), show_progress=False) if meta["ids"] else bm25s.BM25()
