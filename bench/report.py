@@ -38,9 +38,10 @@ def report(path: Path) -> str:
     data = json.loads(path.read_text())
     if "server" in data:
         return replay_report(data)
-    config = data["config"]
+    config, env = data["config"], data.get("environment", {})
+    where = f", on {env['gpu']}, vLLM {env.get('packages', {}).get('vllm')}" if env.get("gpu") else ""
     lines = [f"**{data['dataset']}, {len(data['question_ids'])} shuffled questions, concurrency "
-             f"{config['concurrency']}, top-k {config['top_k']}** — `{command(config)}`", "",
+             f"{config['concurrency']}, top-k {config['top_k']}{where}** — `{command(config)}`", "",
              "| " + " | ".join(COLUMNS) + " |", "| --- |" + " ---: |" * (len(COLUMNS) - 1)]
     lines += [row(r) for r in data["results"]]
     for skipped in data.get("skipped", []):
