@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Runs ON the GPU machine (see docs/gpu.md): start vLLM through the project's own launcher with a model of real
+# Runs ON the GPU machine (README: "On a GPU"): start vLLM through the project's own launcher with a model of real
 # size (default: the Llama-3.1-8B-shape dummy folder written by `python -m app.testmodel`), check that prefix
 # caching is on, then replay each dataset's prompt dumps at several concurrencies.
 #   bash scripts/gpu-bench.sh DATASET...      (dumps in .gpu/dumps/DATASET, results in $OUT or bench/results/gpu)
