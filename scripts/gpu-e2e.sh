@@ -1,11 +1,10 @@
 #!/usr/bin/env bash
 # Runs ON the GPU machine (README: "On a GPU"): the whole benchmark pipeline of bench.prefix_cache (ingest into
 # on-disk Chroma, the real embedder, BM25, the service graph, pre-warm, retrieval per question) against CUDA vLLM
-# started through the project's own launcher with a model of real size (dummy weights).
+# started by scripts/gpu-vllm.sh (the project's own launcher, a model of real size with dummy weights).
 #   bash scripts/gpu-e2e.sh DATASET...   (datasets under $DATA, results in $OUT or bench/results/gpu)
 # Needs vLLM installed from ../shared/gpu (/tmp/site) and the service's own dependencies the image lacks, installed
-# from the bundle `scripts/gpu-e2e-pack.sh` makes (EXTRA: the staged folder holding its parts). A server already
-# answering on $PORT is reused.
+# from the bundle `scripts/gpu-e2e-pack.sh` makes (EXTRA: the staged folder holding its parts).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . /tmp/site/env.sh
@@ -17,24 +16,11 @@ if [[ ! -d /tmp/site2 ]]; then
   python3 -m pip install -q --no-index --no-deps --target /tmp/site2 /var/tmp/extra/wheels/*.whl
 fi
 export PYTHONPATH=/tmp/site2:$PYTHONPATH
-MODEL=${MODEL:-.gpu/llama-3.1-8b-dummy}
-PORT=${PORT:-8000}
 DEST=${OUT:-bench/results/gpu}
 CONCURRENCY=${CONCURRENCY:-4}
 TAG=${TAG:-h200-e2e}
-VLLM_EXTRA=${VLLM_EXTRA:-}
-URL=http://127.0.0.1:$PORT
 mkdir -p "$DEST"
-up() { python3 -c "import urllib.request; urllib.request.urlopen('$URL/health', timeout=2)" 2>/dev/null; }
-if ! up; then
-  echo "[gpu-e2e] starting vLLM ($MODEL) $(date +%T)"
-  setsid nohup python3 -m app.vllm_server --model "$MODEL" --load-format dummy --block-size 16 \
-    --max-model-len 32768 --dev-mode --port "$PORT" -- $VLLM_EXTRA > /var/tmp/vllm.log 2>&1 &
-  for _ in $(seq 400); do up && break; sleep 1; done
-  up || { tail -60 /var/tmp/vllm.log; exit 1; }
-  echo "[gpu-e2e] vLLM up $(date +%T)"
-fi
-grep -m2 "detokenizer primed\|KV cache" /var/tmp/vllm.log || true
+. scripts/gpu-vllm.sh
 for dataset in "$@"; do
   python3 -m bench.prefix_cache --data "$DATA/$dataset" --questions 300 --concurrency "$CONCURRENCY" --top-k 5 \
     --seed 0 --max-tokens 16 --modes naive,prefixrag --vllm-url "$URL/v1" --out "$DEST/$dataset-c$CONCURRENCY-$TAG.json"

@@ -1,0 +1,28 @@
+# Sourced ON the GPU machine by gpu-bench.sh and gpu-e2e.sh: start vLLM through the project's own launcher with a
+# model of real size (default: the Llama-3.1-8B-shape dummy folder written by `python -m app.testmodel`) unless a
+# server already answers on $PORT (a later call on the same warm machine skips the start-up), and check that prefix
+# caching is on. Sets URL. (The caller has sourced /tmp/site/env.sh.)
+MODEL=${MODEL:-.gpu/llama-3.1-8b-dummy}
+BLOCK=${BLOCK:-16}          # CUDA; the CPU backend needs 128
+PORT=${PORT:-8000}
+VLLM_EXTRA=${VLLM_EXTRA:-}  # further vLLM flags, e.g. --skip-tokenizer-init or --kv-cache-dtype fp8
+URL=http://127.0.0.1:$PORT
+
+up() { python3 -c "import urllib.request; urllib.request.urlopen('$URL/health', timeout=2)" 2>/dev/null; }
+
+if ! up; then
+  echo "[gpu-vllm] starting vLLM ($MODEL $VLLM_EXTRA) $(date +%T)"
+  setsid nohup python3 -m app.vllm_server --model "$MODEL" --load-format dummy --block-size "$BLOCK" \
+    --max-model-len 32768 --dev-mode --port "$PORT" -- $VLLM_EXTRA > /var/tmp/vllm.log 2>&1 &
+  for _ in $(seq 400); do up && break; sleep 1; done
+  up || { tail -60 /var/tmp/vllm.log; exit 1; }
+  echo "[gpu-vllm] vLLM up $(date +%T)"
+fi
+head -3 /var/tmp/vllm.log 2>/dev/null || true
+python3 - "$URL" <<'PY'
+import sys, urllib.request
+text = urllib.request.urlopen(sys.argv[1] + "/metrics").read().decode()
+info = [line for line in text.splitlines() if line.startswith("vllm:cache_config_info")]
+print(info[0] if info else "no vllm:cache_config_info")
+assert info and 'enable_prefix_caching="True"' in info[0], "prefix caching is off"
+PY
