@@ -33,7 +33,6 @@ class FakeVLLM(LLMClient):
         self.blocks: set[str] = set()
         self.queries = 0  # prompt tokens seen, as vllm:prefix_cache_queries_total
         self.prompts: list[list[dict]] = []  # every prompt sent, in order
-        self.tokenized = 0  # /tokenize calls
 
     @staticmethod
     def render(messages: list[dict]) -> str:
@@ -74,7 +73,6 @@ class FakeVLLM(LLMClient):
                                                      prompt_tokens_details=SimpleNamespace(cached_tokens=cached)))
 
     async def tokenize(self, messages: list[dict]) -> list[int]:
-        self.tokenized += 1
         return [hash(token) for token in self.tokens(messages)]
 
     async def list_models(self) -> list[dict]:

@@ -5,9 +5,6 @@ also tested against a real vLLM CPU server (marked ``vllm``). Run this tier alon
 
 from __future__ import annotations
 
-import asyncio
-import time
-
 import httpx
 import openai
 import pytest
@@ -199,28 +196,3 @@ def test_start_up_objects_are_frozen_out_of_the_gc_and_its_pauses_are_published(
         after = metric_total(httpx.get(server.url + "/metrics").text, "prefixrag_gc_pause_seconds_count")
     assert frozen > 100_000
     assert after >= before + 1
-
-
-class SlowWarmups(FakeVLLM):
-    """Pre-warm's requests (``complete``) take 5 s each, so pre-warm's own first count comes late."""
-
-    async def complete(self, request: dict):
-        await asyncio.sleep(5)
-        return await super().complete(request)
-
-
-def test_the_token_estimate_is_calibrated_before_the_first_question_so_it_is_not_counted_on_its_path(
-        notes, embedder):
-    chroma, texts, _ = notes
-    fake = SlowWarmups()
-    settings = app_settings(chroma, "http://unused/v1", collection="notes", hotness_dir=None, strategy="document")
-    with AppServer(create_app(settings, embedder=embedder, llm=fake)) as server:
-        server.wait_ready()
-        service = server.app.state.service
-        deadline = time.monotonic() + 1
-        while service.estimator.chars_per_token is None and time.monotonic() < deadline:
-            time.sleep(0.01)
-        counted = fake.tokenized
-        assert ask(server, question=next(iter(texts.values()))[:200]).status_code == 200
-        assert fake.tokenized == counted  # the estimate sufficed: no /tokenize round trip for the question
-        assert service.warmer.progress.prefix_tokens == 0  # while pre-warm's first request was still pending

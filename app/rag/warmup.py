@@ -85,26 +85,12 @@ class Warmer:
     async def warm(self, info: UpstreamInfo) -> WarmupProgress:
         """One whole warm-up: the stable prefix, the corpus decision, then the corpus or the hottest units."""
         self.progress, self.warmed_prompts, self._started = WarmupProgress(state="warming"), [], time.monotonic()
-        await self._calibrate()
         with self.traffic.background():
             await self._warm_all(info)
         self.progress.seconds = round(time.monotonic() - self._started, 3)
         log.info("pre-warm %s: %d/%d units, %d tokens in %.1fs", self.progress.state, self.progress.units_warmed,
                  self.progress.units_planned, self.progress.tokens, self.progress.seconds)
         return self.progress
-
-    async def _calibrate(self) -> None:
-        """Teach the token estimate the served tokenizer first: one ``/tokenize`` of the system prompt (vLLM's
-        front end only, no engine step, so it need not wait for users). Until the estimate is calibrated every
-        user prompt is counted exactly, a ``/tokenize`` round trip on the request path (the first question after
-        start-up paid ~40 ms for it on the 2-core CPU); pre-warm's own first count comes only once users are gone."""
-        if self.planner.estimator.chars_per_token is not None:
-            return
-        messages = self.builder.warmup_messages()
-        try:
-            self.planner.estimator.observe(messages, len(await self.llm.tokenize(messages)))
-        except ServiceError as exc:  # pre-warm's first request will report it; answers count exactly till then
-            log.info("token estimate not calibrated: %s", exc.message)
 
     async def _warm_all(self, info: UpstreamInfo) -> None:
         try:
