@@ -1,8 +1,12 @@
 """Dense, lexical and hybrid retrieval over a real collection (the project's docs, ingested with the real
-embedder into on-disk Chroma, the BM25 index saved beside it by ingest)."""
+embedder into on-disk Chroma, the BM25 index saved beside it by ingest); and BM25 kept off the GPU where jax is
+installed."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -89,10 +93,6 @@ print(lexical.LexicalIndex("g", ["a", "b", "c"], ["s"] * 3, bm25).search("config
 
 
 def test_bm25_keeps_an_installed_jax_off_the_gpu_and_selects_with_numpy(tmp_path):
-    import os
-    import subprocess
-    import sys
-
     from tests.conftest import ROOT
 
     (tmp_path / "jax").mkdir()
