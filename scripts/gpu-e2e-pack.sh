@@ -31,3 +31,7 @@ chmod -R u+w "$work/pack"
 rm -rf .gpu/extra1 .gpu/extra2 && mkdir -p .gpu/extra1 .gpu/extra2
 mv "$work/xpack.part.00" .gpu/extra1/ && mv "$work"/xpack.part.* "$work/xpack.sha" .gpu/extra2/
 du -sh .gpu/extra1 .gpu/extra2
+# One device call carries 64 MiB with the working tree (~3 MiB): a bigger bundle needs a third folder, not a
+# refused call on the device.
+size=$(du -sm .gpu/extra2 | cut -f1)
+(( size <= 60 )) || { echo "gpu-e2e-pack: .gpu/extra2 holds ${size} MiB, more than one device call carries" >&2; exit 1; }

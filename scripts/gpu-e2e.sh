@@ -15,7 +15,7 @@ if [[ ! -d /tmp/site2 ]]; then
     && rm -rf /var/tmp/extra && mkdir -p /var/tmp/extra && tar xf xpack.tar -C /var/tmp/extra)
   python3 -m pip install -q --no-index --no-deps --target /tmp/site2 /var/tmp/extra/wheels/*.whl
 fi
-export PYTHONPATH=/tmp/site2:$PYTHONPATH
+export PYTHONPATH=/tmp/site2${PYTHONPATH:+:$PYTHONPATH}
 DEST=${OUT:-bench/results/gpu}
 CONCURRENCY=${CONCURRENCY:-4}
 TAG=${TAG:-h200-e2e}
