@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import threading
 
 import httpx
 import pytest
@@ -62,8 +63,27 @@ def test_hotness_decays_old_use_and_persists(tmp_path):
         hot.use(["new"])
     hot.use(["recent-once"])
     assert hot.score("new") > hot.score("recent-once") > hot.score("old")
+    hot.close()
     reloaded = Hotness(path)
     assert reloaded.score("new") == pytest.approx(hot.score("new"))
+
+
+def test_hotness_writes_its_file_off_the_requests_thread(tmp_path):
+    """``use`` runs on the event loop: its periodic save is written on the saver thread; ``close`` saves last."""
+    writers = []
+
+    class Recorded(Hotness):
+        def save(self) -> None:
+            writers.append(threading.current_thread().name)
+            super().save()
+
+    hot = Recorded(tmp_path / "hot.json", save_every=2)
+    hot.use(["a"])
+    hot.use(["a", "b"])
+    hot.close()
+    hot.use(["b"])  # after close: no save, no error
+    assert writers[0].startswith("hotness-save") and writers[1:] == [threading.current_thread().name]
+    assert Hotness(tmp_path / "hot.json").score("a") > Hotness(tmp_path / "hot.json").score("b") > 0
 
 
 def strategy_app(articles_db, vllm_url, embedder, strategy, **generation):

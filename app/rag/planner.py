@@ -60,7 +60,7 @@ class ContextPlanner:
         self.corpus.chunks, self.corpus.fits = None, False
 
     def close(self) -> None:
-        self.hotness.save()
+        self.hotness.close()
 
     async def decide_corpus(self, info: UpstreamInfo) -> CorpusVerdict:
         """Does the whole collection fit the window (and, for ``auto``, is it worth it)? Decided from the chunk
