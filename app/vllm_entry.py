@@ -7,7 +7,8 @@ prefixrag's prompts are long and mostly cached, so this is where their first tok
 5 ms on a 2-core CPU; README, "Serving vLLM"). Decoding a continuation needs only a short left context, so
 the detokenizer is primed with the prompt's last tokens instead — the change proposed upstream in
 vllm-project/vllm#51281 and #57330 (open). The fix applies only where vLLM's code still primes with the whole
-prompt, and only in this process (with ``--api-server-count`` > 1 the extra API servers run unpatched).
+prompt. It is installed in this process, which is the only API server: this module runs vLLM's single-worker
+server (``run_server``), where ``--api-server-count`` has no effect (only ``vllm serve`` spawns more).
 
 ``app.vllm_server`` starts vLLM through this module; ``RAG_VLLM_SERVER__DETOKENIZER_PRIME_TOKENS=0`` leaves vLLM
 as it is.

@@ -17,8 +17,10 @@ if ! up; then
   for _ in $(seq 400); do up && break; sleep 1; done
   up || { tail -60 /var/tmp/vllm.log; exit 1; }
   echo "[gpu-vllm] vLLM up $(date +%T)"
+  head -3 /var/tmp/vllm.log  # the command the launcher ran
+else
+  echo "[gpu-vllm] reusing the vLLM already serving on $URL"
 fi
-head -3 /var/tmp/vllm.log 2>/dev/null || true
 python3 - "$URL" <<'PY'
 import sys, urllib.request
 text = urllib.request.urlopen(sys.argv[1] + "/metrics").read().decode()
