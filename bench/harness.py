@@ -2,26 +2,46 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import gzip
 import json
 import time
 from dataclasses import asdict
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from app.core.settings import GenerationSettings, Settings, TrafficSettings
+from app.llm import LLMClient
 from app.metrics import ServiceMetrics
+from app.rag.retriever import Retriever
 from app.rag.service import RAGService
-from app.services import build_services
+from app.rag.upstream import Upstream
+from app.services import Services, build_services
 from bench.ceiling import BlockCacheCeiling
 from bench.fleet import Fleet, difference
 from bench.modes import Record, run_naive, run_prefixrag
 from bench.stats import summarise
 
+if TYPE_CHECKING:  # torch: imported only where a harness is created
+    from app.core.embedder import Embedder
+
 MATCH_K_MAX = 100
 
 
 class Harness:
+    """Built by ``create``: the dataset ingested and the app's service graph over it, against one vLLM (or a
+    router's replicas, ``fleet``)."""
+
+    args: argparse.Namespace
+    settings: Settings
+    embedder: Embedder
+    services: Services
+    retriever: Retriever
+    llm: LLMClient
+    upstream: Upstream
+    fleet: Fleet
+
     @classmethod
     async def create(cls, dataset, vllm_url: str, chroma: Path, args) -> Harness:
         from app.core.embedder import Embedder
@@ -111,7 +131,7 @@ class Harness:
                     records[index] = Record(question.id, error=f"{type(exc).__name__}: {exc}")
 
         await asyncio.gather(*(worker() for _ in range(self.args.concurrency)))
-        return records
+        return [record for record in records if record is not None]  # every one was filled
 
     async def _ceiling(self, records: list[Record], mode: str,
                        warmed: list[tuple[list[dict], str]]) -> BlockCacheCeiling:

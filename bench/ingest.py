@@ -17,6 +17,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from bench.common import environment, write_json
 
@@ -71,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     size = corpus_bytes(args.data)
     ingest_rate = first.chunks_embedded / first.seconds
     encoder_rate = len(unique) / encoder_s
-    result = {
+    result: dict[str, Any] = {
         "data": str(args.data), "files": first.files_seen, "failed": len(first.failed), "chunks": first.chunks_written,
         "chunks_embedded": first.chunks_embedded, "bytes": size, "seconds": first.seconds,
         "chunks_per_s": round(first.chunks_written / first.seconds, 2),

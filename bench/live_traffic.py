@@ -201,6 +201,7 @@ async def load(client: httpx.AsyncClient, questions: list[str], clients: int, se
         rng = random.Random(seed)
         while time.monotonic() < deadline:
             sent = time.monotonic()
+            status: int | str
             try:
                 response = await client.post("/ask", json={"question": rng.choice(questions)})
                 status = response.status_code

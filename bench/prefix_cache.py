@@ -68,7 +68,8 @@ async def _run(args, dataset, stream, vllm_url: str, chroma: Path) -> tuple[list
     try:
         retrieval = await harness.retrieval_report(stream)
         print(json.dumps({"retrieval": retrieval}), flush=True)
-        results, skipped = [], []
+        results: list[dict] = []
+        skipped: list[dict] = []
         modes = [m.strip() for m in args.modes.split(",") if m.strip()]
         # naive-matched needs the best recall of the prefixrag modes: run it last.
         for mode in sorted(modes, key=lambda m: m == "naive-matched"):
@@ -94,7 +95,10 @@ class _vllm:
         self.local = None if self.url else LocalVLLM(tmp / "vllm.log", args.max_model_len)
 
     def __enter__(self) -> str:
-        return self.url or self.local.__enter__()
+        if self.url:
+            return self.url
+        assert self.local is not None  # no --vllm-url: one was made in __init__
+        return self.local.__enter__()
 
     def __exit__(self, *exc) -> None:
         if self.local is not None:

@@ -66,7 +66,7 @@ def rss_mb(pid: int) -> float:
 def settled_rss_mb(pid: int, window_s: float = 5.0, timeout_s: float = 300.0) -> float:
     """The app's RSS once background work (unit pre-warm reads the collection) stops moving it: flat within
     2 MB over ``window_s``; the bodies' effect is measured from there."""
-    deadline, samples = time.monotonic() + timeout_s, []
+    deadline, samples = time.monotonic() + timeout_s, list[float]()
     while time.monotonic() < deadline:
         samples = (samples + [rss_mb(pid)])[-int(window_s / 0.25):]
         if len(samples) == int(window_s / 0.25) and max(samples) - min(samples) < 2:
@@ -84,6 +84,7 @@ async def flood(url: str, headers: dict, count: int = 16, size_mb: int = 50) -> 
 
     async def one(client: httpx.AsyncClient) -> dict:
         started = time.perf_counter()
+        outcome: int | str
         try:
             response = await client.post(url + "/ask", content=body(), headers=headers)
             outcome = response.status_code

@@ -15,6 +15,6 @@ if ((${#missing[@]})); then
 fi
 # A lint or type finding fails the run before the slow tests start.
 .venv/bin/ruff check app ingest bench tests scripts
-.venv/bin/mypy  # app/ and ingest/, configured in pyproject.toml
+.venv/bin/mypy  # app/, ingest/ and bench/, configured in pyproject.toml
 .venv/bin/lint-imports --no-cache  # the kernel contracts in pyproject.toml: app and ingest share app.core only
 exec .venv/bin/python -m pytest -q -ra "$@"
