@@ -1,0 +1,104 @@
+"""``python -m bench.frontend_cost --vllm-url URL``: what vLLM's API server spends rendering and tokenizing a chat
+before the engine sees it, by prompt length. The same prompt, already in the prefix cache, is sent as a chat
+(``/v1/chat/completions``: the server renders the template and tokenizes) and as its token ids
+(``/v1/completions``: it does neither), one token each; the difference of the medians is the front end's cost."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from bench.common import environment, write_json
+
+QUESTION = "What was the change in total revenue between the two years?"
+
+
+def passages_text(path: Path, chars: int) -> str:
+    """Enough passage text (jsonl ``text`` fields, in file order) for the largest prompt."""
+    parts, total = [], 0
+    with path.open() as lines:
+        for line in lines:
+            text = json.loads(line).get("text", "")
+            parts.append(text)
+            total += len(text)
+            if total >= chars:
+                break
+    return "\n\n".join(parts)
+
+
+def timed_ms(client: httpx.Client, path: str, body: dict) -> float:
+    started = time.perf_counter()
+    client.post(path, json=body).raise_for_status()
+    return (time.perf_counter() - started) * 1000
+
+
+def measure(client: httpx.Client, model: str, text: str, tokens: int, repeats: int) -> dict:
+    messages = [{"role": "system", "content": text[:tokens * 4]}, {"role": "user", "content": QUESTION}]
+    ids = client.post("/tokenize", json={"model": model, "messages": messages}).json()["tokens"]
+    chat = {"model": model, "messages": messages, "max_tokens": 1}
+    ids_only = {"model": model, "prompt": ids, "max_tokens": 1}
+    timed_ms(client, "/v1/chat/completions", chat)  # into the prefix cache
+    timings: dict[str, list[float]] = {"chat": [], "token_ids": [], "tokenize": []}
+    for _ in range(repeats):  # interleaved, so drift in the server's load hits all three alike
+        timings["chat"].append(timed_ms(client, "/v1/chat/completions", chat))
+        timings["token_ids"].append(timed_ms(client, "/v1/completions", ids_only))
+        timings["tokenize"].append(timed_ms(client, "/tokenize", {"model": model, "messages": messages}))
+    medians = {name: round(statistics.median(values), 2) for name, values in timings.items()}
+    return {"prompt_tokens": len(ids), "median_ms": medians,
+            "front_end_ms": round(medians["chat"] - medians["token_ids"], 2)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.frontend_cost", description=__doc__)
+    parser.add_argument("--vllm-url", default="http://127.0.0.1:8000", help="vLLM server (no /v1)")
+    parser.add_argument("--passages", type=Path, default=Path("../shared/data/tatqa/passages.jsonl"),
+                        help="a jsonl of passages whose text fills the prompts")
+    parser.add_argument("--tokens", default="450,3800,16000", help="prompt sizes to measure (approximate tokens)")
+    parser.add_argument("--repeats", type=int, default=40, help="requests per size and way")
+    parser.add_argument("--out", type=Path, default=Path("bench/results/frontend-cost.json"))
+    args = parser.parse_args(argv)
+    sizes = [int(size) for size in args.tokens.split(",")]
+    text = passages_text(args.passages, max(sizes) * 4)
+    with httpx.Client(base_url=args.vllm_url.rstrip("/"), timeout=120) as client:
+        model = client.get("/v1/models").json()["data"][0]["id"]
+        rows = [measure(client, model, text, size, args.repeats) for size in sizes]
+    for row in rows:
+        print(json.dumps(row), flush=True)
+    payload = {"command": "python -m " + " ".join(["bench.frontend_cost", *sys.argv[1:]]), "model": model,
+               "repeats": args.repeats, "rows": rows, "environment": environment()}
+    write_json(args.out, payload)
+    try:
+        plot(payload, args.out.with_suffix(".png"))
+    except ImportError:  # matplotlib is optional where it runs (the GPU image); the JSON holds every figure
+        print("matplotlib not available: no plot written")
+    return 0
+
+
+def plot(payload: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tokens = [row["prompt_tokens"] for row in payload["rows"]]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for way, label in (("chat", "chat (rendered + tokenized by vLLM)"), ("token_ids", "the same as token ids"),
+                       ("tokenize", "/tokenize alone")):
+        ax.plot(tokens, [row["median_ms"][way] for row in payload["rows"]], marker="o", label=label)
+    ax.set(xlabel="prompt tokens (all cached but the last block)", ylabel="median ms, 1 output token",
+           title=f"vLLM front-end cost on {payload['environment'].get('gpu') or 'CPU'}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
