@@ -30,6 +30,9 @@ class ServiceMetrics:
                                      ["strategy"], registry=r)
         self.hit_rate = Gauge("prefixrag_prefix_cache_hit_rate", "cached_tokens / prompt_tokens since start.",
                               ["strategy"], registry=r)
+        self.prompts_sent = Counter("prefixrag_prompts_total", "Prompts sent to vLLM, by form: token_ids (the head "
+                                    "tokenized here, app.prompt_ids) or chat (vLLM tokenizes all of it).",
+                                    ["form"], registry=r)
         self.collection_reloads = Counter("prefixrag_collection_reloads_total",
                                           "Times an ingest changed the collection and the service reloaded it.",
                                           registry=r)

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from app.core.settings import GenerationSettings, Settings, TrafficSettings
 from app.llm import LLMClient
 from app.metrics import ServiceMetrics
+from app.prompt_ids import PromptIds
 from app.rag.context import PromptBuilder
 from app.rag.prompts import PromptTemplates
 from app.rag.retriever import Retriever
@@ -27,6 +28,7 @@ class Services:
     retriever: Retriever
     templates: PromptTemplates
     metrics: ServiceMetrics
+    prompt_ids: PromptIds  # prompts whose head was seen before go to vLLM as token ids
 
     def rag(self, generation: GenerationSettings | None = None, traffic: TrafficSettings | None = None,
             metrics: ServiceMetrics | None = None) -> RAGService:
@@ -34,9 +36,10 @@ class Services:
         and limits."""
         return RAGService(generation or self.settings.generation, self.retriever, self.llm,
                           PromptBuilder(self.templates), self.upstream, metrics or self.metrics,
-                          traffic or self.settings.traffic)
+                          traffic or self.settings.traffic, self.prompt_ids)
 
     async def aclose(self) -> None:
+        self.prompt_ids.close()
         self.retriever.close()
         await self.llm.aclose()
         self.executor.shutdown(wait=False, cancel_futures=True)
@@ -59,4 +62,7 @@ async def build_services(settings: Settings, *, embedder=None, metrics: ServiceM
     retriever = Retriever(encoder, settings.chroma, executor, settings.retrieval, settings.pages)
     upstream = Upstream(llm, settings.vllm)
     upstream.subscribe(lambda info: llm.use_model(info.model))
-    return Services(settings, executor, encoder, llm, upstream, retriever, templates, metrics or ServiceMetrics())
+    prompt_ids = PromptIds(settings.vllm, llm)
+    upstream.subscribe(prompt_ids.adopt)
+    return Services(settings, executor, encoder, llm, upstream, retriever, templates, metrics or ServiceMetrics(),
+                    prompt_ids)

@@ -113,6 +113,9 @@ class Harness:
         result["strategy"] = service.planner.name if service is not None else "naive"
         if service is not None:
             result["warmup"] = asdict(service.warmer.progress)
+            # How its prompts went to vLLM: as token ids (app.prompt_ids) or as chats.
+            result["prompt_forms"] = {form: int(service.metrics.registry.get_sample_value(
+                "prefixrag_prompts_total", {"form": form}) or 0) for form in ("token_ids", "chat")}
             service.planner.close()
         return result
 

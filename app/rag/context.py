@@ -89,6 +89,17 @@ class PromptBuilder:
                  for group in _runs_of_units(ordered)]
         return self.templates.render("context", "block", documents="".join(parts))
 
+    def lead(self, ordered: list[ContextChunk]) -> str:
+        """The rendered units that open the context (a unit, a page's documents, the corpus): the part of the
+        prompt that questions about them share, whatever follows it; "" when the context opens with a chunk of
+        its own (then the whole context is what a question shares with others on the same set)."""
+        lead = []
+        for group in _runs_of_units(ordered):
+            if not group[0].unit:
+                break
+            lead.append(self.render_unit(group))
+        return "".join(lead)
+
     def client_instructions(self, text: str) -> str:
         return self.templates.render("question", "client_instructions", instructions=self.inert(text))
 

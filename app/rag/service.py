@@ -13,6 +13,7 @@ from app.core.settings import GenerationSettings, TrafficSettings
 from app.errors import BadRequest, ContextTooLong, StoreUnavailable, UpstreamUnavailable
 from app.llm import Completion, Delta, LLMClient
 from app.metrics import ServiceMetrics
+from app.prompt_ids import PromptIds
 from app.rag.affinity import affinity_key
 from app.rag.budget import TokenEstimator
 from app.rag.collection import CollectionWatcher
@@ -69,9 +70,10 @@ class Answer:
 
 class RAGService:
     def __init__(self, settings: GenerationSettings, retriever: Retriever, llm: LLMClient, builder: PromptBuilder,
-                 upstream: Upstream, metrics: ServiceMetrics, traffic: TrafficSettings | None = None) -> None:
+                 upstream: Upstream, metrics: ServiceMetrics, traffic: TrafficSettings | None = None,
+                 prompt_ids: PromptIds | None = None) -> None:
         self.settings, self.retriever, self.llm, self.builder = settings, retriever, llm, builder
-        self.upstream, self.metrics = upstream, metrics
+        self.upstream, self.metrics, self.prompt_ids = upstream, metrics, prompt_ids
         # Untrusted text never carries the served tokenizer's special tokens, whatever vLLM serves now.
         upstream.subscribe(lambda info: builder.inert.use(info.special_tokens))
         self.estimator = TokenEstimator()
@@ -162,7 +164,9 @@ class RAGService:
             repetition_penalty=self.settings.repetition_penalty, sampling=self.settings.extra_sampling,
             top_p=talk.top_p, stop=talk.stop)
         completion, first_token = Completion(), None
-        async for delta in self.llm.stream_chat(request, completion):
+        ids = await self._prompt_ids(messages, plan, kept, talk)
+        self.metrics.prompts_sent.labels("token_ids" if ids is not None else "chat").inc()
+        async for delta in self.llm.stream_chat(request, completion, ids):
             first_token = first_token or time.perf_counter()
             yield delta
         done = time.perf_counter()
@@ -176,6 +180,16 @@ class RAGService:
         context = [c for earlier in plan.contexts[:-1] for c in earlier] + kept
         yield Answer(text=completion.text, sources=shown_hits(hits, context), completion=completion,
                      strategy=strategy, timings_ms=timings, messages=messages, context=context)
+
+    async def _prompt_ids(self, messages: list[dict], plan: Plan, kept: list[ContextChunk],
+                          talk: Conversation) -> list[int] | None:
+        """The prompt as token ids when its head was seen before (vLLM then need not tokenize it: README, its
+        front end); the head ends after the first turn's opening units, else before the last question."""
+        if self.prompt_ids is None:
+            return None
+        first_context = kept if len(plan.contexts) == 1 else plan.contexts[0]
+        return await self.prompt_ids.ids(messages, self.builder.question(talk.questions[-1]),
+                                         self.builder.lead(first_context))
 
     async def chat(self, chat: ChatQuery) -> Answer:
         return await _final(self.chat_stream(chat))

@@ -26,6 +26,7 @@ class UpstreamInfo:
     prefix_caching: bool
     kv_cache_tokens: int
     special_tokens: tuple[str, ...] = ()  # the served tokenizer's, kept out of untrusted text
+    root: str = ""  # where vLLM loads the model from (/v1/models), a local folder or a hub id
 
 
 @dataclass(frozen=True)
@@ -180,7 +181,8 @@ class Upstream:
                       cache.get("enable_prefix_caching"))
         return UpstreamInfo(model=card["id"], max_model_len=int(card.get("max_model_len") or 2048),
                             block_size=int(cache.get("block_size") or 16), prefix_caching=prefix_caching,
-                            kv_cache_tokens=sum(int(c.get("kv_cache_size_tokens") or 0) for c in caches))
+                            kv_cache_tokens=sum(int(c.get("kv_cache_size_tokens") or 0) for c in caches),
+                            root=str(card.get("root") or ""))
 
     def status(self) -> UpstreamStatus:
         router = None
