@@ -1,11 +1,13 @@
 """``python -m bench.frontend_cost --vllm-url URL``: what vLLM's API server spends rendering and tokenizing a chat
 before the engine sees it, by prompt length. The same prompt, already in the prefix cache, is sent as a chat
 (``/v1/chat/completions``: the server renders the template and tokenizes) and as its token ids
-(``/v1/completions``: it does neither), one token each; the difference of the medians is the front end's cost."""
+(``/v1/completions``: it does neither), one token each; the difference of the medians is the front end's cost.
+Then both again through the app's own vLLM client, as token-id prompts send them (``app.prompt_ids``)."""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import statistics
 import sys
@@ -38,6 +40,29 @@ def timed_ms(client: httpx.Client, path: str, body: dict) -> float:
     return (time.perf_counter() - started) * 1000
 
 
+async def via_app(url: str, model: str, messages: list[dict], ids: list[int], repeats: int) -> dict[str, list[float]]:
+    """The same two ways through the app's own vLLM client (``app.llm``, what token-id prompts use), streamed."""
+    from app.core.settings import VLLMSettings
+    from app.llm import Completion, LLMClient
+
+    llm = LLMClient(VLLMSettings(url=url + "/v1"))
+    llm.use_model(model)
+    request = llm.chat_request(messages, max_tokens=1, temperature=0.0, prefix_key="frontend-cost")
+
+    async def once(prompt_ids: list[int] | None) -> float:
+        started = time.perf_counter()
+        async for _ in llm.stream_chat(request, Completion(), prompt_ids):
+            pass
+        return (time.perf_counter() - started) * 1000
+
+    timings: dict[str, list[float]] = {"app_chat": [], "app_token_ids": []}
+    for _ in range(repeats):
+        timings["app_chat"].append(await once(None))
+        timings["app_token_ids"].append(await once(ids))
+    await llm.aclose()
+    return timings
+
+
 def measure(client: httpx.Client, model: str, text: str, tokens: int, repeats: int) -> dict:
     messages = [{"role": "system", "content": text[:tokens * 4]}, {"role": "user", "content": QUESTION}]
     ids = client.post("/tokenize", json={"model": model, "messages": messages}).json()["tokens"]
@@ -49,9 +74,11 @@ def measure(client: httpx.Client, model: str, text: str, tokens: int, repeats: i
         timings["chat"].append(timed_ms(client, "/v1/chat/completions", chat))
         timings["token_ids"].append(timed_ms(client, "/v1/completions", ids_only))
         timings["tokenize"].append(timed_ms(client, "/tokenize", {"model": model, "messages": messages}))
+    timings |= asyncio.run(via_app(str(client.base_url).rstrip("/"), model, messages, ids, repeats))
     medians = {name: round(statistics.median(values), 2) for name, values in timings.items()}
     return {"prompt_tokens": len(ids), "median_ms": medians,
-            "front_end_ms": round(medians["chat"] - medians["token_ids"], 2)}
+            "front_end_ms": round(medians["chat"] - medians["token_ids"], 2),
+            "saved_through_the_app_ms": round(medians["app_chat"] - medians["app_token_ids"], 2)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -89,8 +116,10 @@ def plot(payload: dict, path: Path) -> None:
     tokens = [row["prompt_tokens"] for row in payload["rows"]]
     fig, ax = plt.subplots(figsize=(7, 4))
     for way, label in (("chat", "chat (rendered + tokenized by vLLM)"), ("token_ids", "the same as token ids"),
-                       ("tokenize", "/tokenize alone")):
-        ax.plot(tokens, [row["median_ms"][way] for row in payload["rows"]], marker="o", label=label)
+                       ("tokenize", "/tokenize alone"), ("app_chat", "chat, through the app's client"),
+                       ("app_token_ids", "token ids, through the app's client")):
+        if all(way in row["median_ms"] for row in payload["rows"]):
+            ax.plot(tokens, [row["median_ms"][way] for row in payload["rows"]], marker="o", label=label)
     ax.set(xlabel="prompt tokens (all cached but the last block)", ylabel="median ms, 1 output token",
            title=f"vLLM front-end cost on {payload['environment'].get('gpu') or 'CPU'}")
     ax.legend()
