@@ -3,13 +3,16 @@
 A prefix-cache hit skips prefill, but vLLM's API server still renders the chat template and tokenizes the whole
 prompt on every request: ~2.5 ms per 1K tokens on an H200 host, 11.7 ms of a cached 3.3K-token prompt's 28 ms
 and two thirds of a 28K-token one's TTFT (README, "vLLM's front end"). So where this machine has the served
-model's tokenizer, the app renders the chat template itself, keeps the token ids of each prompt's head (all of it
-up to the question, less ``MARGIN_TOKENS``), tokenizes only the rest and sends the ids to ``/v1/completions``.
+model's tokenizer, the app renders the chat template itself, keeps the token ids of each prompt's head (the
+context's opening units, which every question about them shares whatever hits follow; else all up to the
+question), tokenizes only the rest and sends the ids to ``/v1/completions``. Experimental and off by default
+(``RAG_VLLM__TOKEN_ID_PROMPTS``) until a GPU run shows the gain end to end (README, "Token-id prompts").
 
 Exact or unused: a head is used only after its ids, computed here, equalled vLLM's own ``/tokenize`` of a whole
 prompt, in the background (the request that first meets a head goes as a chat, as before); one disagreement turns
-the feature off until vLLM changes. Re-tokenizing from ``MARGIN_TOKENS`` before the question keeps merges across
-the cut exact (tokenizers merge within words, never across this many tokens; each head's cut is checked once).
+the feature off until vLLM changes. Re-tokenizing from ``MARGIN_TOKENS`` before the head's end keeps merges
+across the cut exact (tokenizers merge within words, never across this many tokens; each head's cut is checked
+once).
 """
 
 from __future__ import annotations
