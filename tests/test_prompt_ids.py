@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 
-from app.core.settings import Settings
+from app.core.settings import Settings, VLLMSettings
 from app.llm import LLMClient
 from app.main import create_app
 from app.prompt_ids import PromptIds
@@ -106,7 +106,7 @@ def test_off_by_default_or_without_the_served_tokenizer_here_prompts_go_as_chats
             await asyncio.sleep(0.5)
             assert not client.prompt_ids.active and await client.ids("first?") is None
             await client.close()
-        assert not Settings(_env_file=None).vllm.token_id_prompts
+        assert VLLMSettings.model_fields["token_id_prompts"].default is False
 
     asyncio.run(run())
 
