@@ -115,9 +115,7 @@ class PromptIds:
                 return
             head = await loop.run_in_executor(self._learner, self._split, text, cut)
             if head is None:  # not learnt again: it would cost a whole tokenization per request for nothing
-                self._declined[key] = None
-                while len(self._declined) > HEADS:
-                    self._declined.popitem(last=False)
+                _remember(self._declined, key, None)
                 return
             if self.tokenizer is None:
                 return
@@ -126,9 +124,7 @@ class PromptIds:
                 log.warning("the local tokenizer disagrees with vLLM's on a prompt: token-id prompts off")
                 self.tokenizer = None
                 return
-            self.heads[key] = (array("l", ids[:first_tail_token]), tail_start)
-            while len(self.heads) > HEADS:
-                self.heads.popitem(last=False)
+            _remember(self.heads, key, (array("l", ids[:first_tail_token]), tail_start))
         except ServiceError as exc:  # vLLM busy or gone: the next request tries again
             log.info("a prompt head was not learnt: %s", exc.message)
         except Exception as exc:  # the tokenizer failed on it: chats, as before
@@ -170,6 +166,13 @@ class PromptIds:
             log.warning("token-id prompts off: %s could not be loaded (%s)", path, exc)
             return
         log.info("token-id prompts on: tokenizer from %s", path)
+
+
+def _remember(table: OrderedDict, key: bytes, value) -> None:
+    """Keep ``value`` under ``key``, dropping the oldest entries beyond ``HEADS``."""
+    table[key] = value
+    while len(table) > HEADS:
+        table.popitem(last=False)
 
 
 def _load_tokenizer(path: str):
