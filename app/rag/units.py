@@ -104,7 +104,6 @@ class Hotness:
         self.scores: dict[str, float] = {}
         self._uses = 0
         self._lock = threading.Lock()  # scores: requests (the event loop) and the saver
-        self._file_lock = threading.Lock()  # one writer of the file at a time
         # ``use`` runs on the event loop: the periodic save (7.5 ms for 10K units) is written on this thread.
         self._saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hotness-save")
         if path and path.exists():
@@ -140,11 +139,11 @@ class Hotness:
         with self._lock:
             scores = list(self.scores.items())  # a snapshot: requests keep scoring while it is written
         top = dict(sorted(scores, key=lambda kv: -kv[1])[:10_000])
-        with self._file_lock:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.path.with_suffix(".tmp")
-            tmp.write_text(json.dumps(top))
-            tmp.replace(self.path)  # atomic: a crash never leaves half a file
+        # One writer at a time without a lock: saves queue on the one saver thread, and close() waits for it.
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(top))
+        tmp.replace(self.path)  # atomic: a crash never leaves half a file
 
     def close(self) -> None:
         """Finish any save under way, then save the final scores."""
