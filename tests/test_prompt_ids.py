@@ -11,12 +11,9 @@ import httpx
 import pytest
 
 from app.core.settings import Settings, VLLMSettings
-from app.llm import LLMClient
 from app.main import create_app
-from app.prompt_ids import PromptIds
 from app.rag.context import PromptBuilder
-from app.rag.prompts import PromptTemplates
-from app.rag.upstream import Upstream
+from app.services import build_services
 from tests.corpora import app_settings
 from tests.servers import AppServer
 
@@ -36,17 +33,19 @@ async def until(condition, timeout: float = 30.0) -> None:
 
 
 class Client:
-    """The app's own parts for token-id prompts, over the real vLLM; ``tokenizer``: RAG_VLLM__TOKENIZER."""
+    """The app's own service graph (``build_services``) over the real vLLM; ``tokenizer``: RAG_VLLM__TOKENIZER."""
 
-    def __init__(self, vllm_url: str, tokenizer: str | None = None, enabled: bool = True) -> None:
+    @classmethod
+    async def open(cls, vllm_url: str, embedder, tokenizer: str | None = None, enabled: bool = True) -> Client:
         settings = Settings(_env_file=None)
         settings.vllm.url, settings.vllm.tokenizer = vllm_url, tokenizer
         settings.vllm.token_id_prompts = enabled
-        self.builder = PromptBuilder(PromptTemplates.load(settings.service.prompts_dir))
-        self.llm = LLMClient(settings.vllm)
-        self.upstream = Upstream(self.llm, settings.vllm)
-        self.prompt_ids = PromptIds(settings.vllm, self.llm)
-        self.upstream.subscribe(self.prompt_ids.adopt)
+        self = cls()
+        self.services = await build_services(settings, embedder=embedder)
+        self.builder = PromptBuilder(self.services.templates)
+        self.llm, self.upstream = self.services.llm, self.services.upstream
+        self.prompt_ids = self.services.prompt_ids
+        return self
 
     def messages(self, question: str, extra: str = "") -> list[dict]:
         context = f"<documents>\n{LEAD}{extra}</documents>\n"
@@ -57,13 +56,12 @@ class Client:
         return await self.prompt_ids.ids(self.messages(question, extra), self.builder.question(question), LEAD)
 
     async def close(self) -> None:
-        self.prompt_ids.close()
-        await self.llm.aclose()
+        await self.services.aclose()
 
 
-def test_a_head_seen_before_goes_as_exactly_the_ids_vllm_makes(vllm_url):
+def test_a_head_seen_before_goes_as_exactly_the_ids_vllm_makes(vllm_url, embedder):
     async def run():
-        client = Client(vllm_url)
+        client = await Client.open(vllm_url, embedder)
         await client.upstream.refresh()  # the served model's folder is on this machine: its tokenizer loads
         await until(lambda: client.prompt_ids.active)
         assert await client.ids("first?") is None  # an unseen head goes as a chat, and is learnt meanwhile
@@ -77,9 +75,9 @@ def test_a_head_seen_before_goes_as_exactly_the_ids_vllm_makes(vllm_url):
     asyncio.run(run())
 
 
-def test_a_tokenizer_that_disagrees_with_vllm_is_never_used(vllm_url, tmp_path):
+def test_a_tokenizer_that_disagrees_with_vllm_is_never_used(vllm_url, embedder, tmp_path):
     async def run():
-        served = Client(vllm_url)
+        served = await Client.open(vllm_url, embedder)
         await served.upstream.refresh()
         other = tmp_path / "tokenizer"  # the served tokenizer with a chat template vLLM does not use
         shutil.copytree(served.upstream.info.root, other)
@@ -88,7 +86,7 @@ def test_a_tokenizer_that_disagrees_with_vllm_is_never_used(vllm_url, tmp_path):
         config["chat_template"] = template.replace("<|{{ message['role'] }}|>", "<{{ message['role'] }}>")
         (other / "tokenizer_config.json").write_text(json.dumps(config))
         await served.close()
-        client = Client(vllm_url, tokenizer=str(other))
+        client = await Client.open(vllm_url, embedder, tokenizer=str(other))
         await client.upstream.refresh()
         await until(lambda: client.prompt_ids.active)
         assert await client.ids("first?") is None
@@ -99,9 +97,10 @@ def test_a_tokenizer_that_disagrees_with_vllm_is_never_used(vllm_url, tmp_path):
     asyncio.run(run())
 
 
-def test_off_by_default_or_without_the_served_tokenizer_here_prompts_go_as_chats(vllm_url, tmp_path):
+def test_off_by_default_or_without_the_served_tokenizer_here_prompts_go_as_chats(vllm_url, embedder, tmp_path):
     async def run():
-        for client in (Client(vllm_url, tokenizer=str(tmp_path / "absent")), Client(vllm_url, enabled=False)):
+        for options in ({"tokenizer": str(tmp_path / "absent")}, {"enabled": False}):
+            client = await Client.open(vllm_url, embedder, **options)
             await client.upstream.refresh()
             await asyncio.sleep(0.5)
             assert not client.prompt_ids.active and await client.ids("first?") is None
