@@ -97,7 +97,8 @@ def main(argv: list[str] | None = None) -> int:
         rows = [measure(client, model, text, size, args.repeats) for size in sizes]
     for row in rows:
         print(json.dumps(row), flush=True)
-    payload = {"command": "python -m " + " ".join(["bench.frontend_cost", *sys.argv[1:]]), "model": model,
+    command = " ".join(["python -m bench.frontend_cost", *(argv if argv is not None else sys.argv[1:])])
+    payload = {"command": command, "model": model,
                "repeats": args.repeats, "rows": rows, "environment": environment()}
     write_json(args.out, payload)
     try:
