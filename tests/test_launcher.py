@@ -9,7 +9,7 @@ import sys
 
 from app.core.settings import VLLMServerSettings
 from app.testmodel import write_test_model
-from app.vllm_server import build_command
+from app.vllm_server import build_command, cpu_dtype
 from tests.conftest import ROOT
 
 
@@ -72,3 +72,15 @@ def test_a_kv_cache_size_the_user_exported_wins(tmp_path, monkeypatch):
     _, env = build_command(VLLMServerSettings(model=str(tmp_path)), gpu=False)
     assert "VLLM_CPU_KVCACHE_SPACE" not in env  # not overridden: the child inherits the user's 9
     assert env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0"
+
+
+def test_cpu_without_native_bf16_serves_float32_unless_a_dtype_was_chosen(tmp_path, monkeypatch):
+    monkeypatch.setattr("platform.machine", lambda: "x86_64")
+    assert cpu_dtype("auto", {"avx2", "fma"}) == "float32"  # oneDNN has no bf16 matmul here: emulated, 3x slower
+    assert cpu_dtype("auto", {"avx2", "avx512f", "avx512_bf16"}) == "auto"
+    assert cpu_dtype("auto", {"avx2", "amx_bf16"}) == "auto"
+    assert cpu_dtype("bfloat16", {"avx2"}) == "bfloat16"  # the user's choice stands
+    monkeypatch.setattr("app.vllm_server.cpu_flags", lambda: {"avx2"})
+    cfg = VLLMServerSettings(model=str(tmp_path))
+    assert flags(build_command(cfg, gpu=False)[0])["--dtype"] == "float32"
+    assert flags(build_command(cfg, gpu=True)[0])["--dtype"] == "auto"
