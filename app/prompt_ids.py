@@ -6,8 +6,9 @@ and two thirds of a 28K-token one's TTFT (README, "vLLM's front end"). So where 
 model's tokenizer, the app renders the chat template itself, keeps the token ids of each prompt's head (the
 context's opening units, which every question about them shares whatever hits follow; else all up to the
 question), tokenizes only the rest and sends the ids to ``/v1/completions``. Opt-in
-(``RAG_VLLM__TOKEN_ID_PROMPTS``): on an H200, end to end at 3.8K-token prompts, it saved a few ms, inside the
-TTFT's run-to-run spread; it pays on long cached prompts (README, "Token-id prompts").
+(``RAG_VLLM__TOKEN_ID_PROMPTS``): on an H200, end to end, it saved vLLM 3-7 ms per request at 3.8K-11.6K tokens
+and the app spent about as much more (rendering the whole chat template here, under the GIL), so TTFT did not move
+(README, "Token-id prompts").
 
 Exact or unused: a head is used only after its ids, computed here, equalled vLLM's own ``/tokenize`` of a whole
 prompt, in the background (the request that first meets a head goes as a chat, as before); one disagreement turns
