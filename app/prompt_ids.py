@@ -7,8 +7,7 @@ model's tokenizer, the app renders the chat template itself, keeps the token ids
 context's opening units, which every question about them shares whatever hits follow; else all up to the
 question), tokenizes only the rest and sends the ids to ``/v1/completions``. Opt-in
 (``RAG_VLLM__TOKEN_ID_PROMPTS``): on an H200, end to end, it saved vLLM 3-7 ms per request at 3.8K-11.6K tokens
-and the app spent about as much more (rendering the whole chat template here, under the GIL), so TTFT did not move
-(README, "Token-id prompts").
+but the TTFT did not move beyond its run-to-run spread (README, "Token-id prompts").
 
 Exact or unused: a head is used only after its ids, computed here, equalled vLLM's own ``/tokenize`` of a whole
 prompt, in the background (the request that first meets a head goes as a chat, as before); one disagreement turns
