@@ -71,7 +71,13 @@ def collections(tmp_path_factory, embedder):
 
 
 @pytest.fixture(scope="session")
-def vllm_url(tmp_path_factory):
-    """A real vLLM CPU server (dummy-weight test model, prefix caching on), once per test session."""
-    with LocalVLLM(tmp_path_factory.mktemp("vllm") / "vllm.log", max_model_len=4096, startup_timeout_s=600) as url:
-        yield url
+def vllm_server(tmp_path_factory):
+    """A real vLLM CPU server (dummy-weight test model, prefix caching on), once per test session: (url, log)."""
+    log = tmp_path_factory.mktemp("vllm") / "vllm.log"
+    with LocalVLLM(log, max_model_len=4096, startup_timeout_s=600) as url:
+        yield url, log
+
+
+@pytest.fixture(scope="session")
+def vllm_url(vllm_server):
+    return vllm_server[0]
