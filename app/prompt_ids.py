@@ -100,7 +100,8 @@ class PromptIds:
     def _known_ids(self, messages: list[dict], question: str, lead: str) -> tuple[list[int] | None, tuple | None]:
         """(ids or None, (head key, rendered prompt, where the head ends) or None if that was not found)."""
         text = self._render(messages)
-        cut = text.find(lead) + len(lead) if lead and lead in text else text.rfind(question)
+        at = text.find(lead) if lead else -1  # one scan of the prompt, not a membership test and then a find
+        cut = at + len(lead) if at >= 0 else text.rfind(question)
         if cut <= 0:
             return None, None
         key = hashlib.blake2b(text[:cut].encode(), digest_size=16).digest()
