@@ -1,4 +1,4 @@
-"""``python -m bench.report RESULT.json...``: the README's markdown table for each benchmark result file
+"""``python -m bench.report RESULT.json...``: the markdown table of the READMEs for each benchmark result file
 (``bench.prefix_cache`` or ``bench.replay``), with the exact command that produced it (rebuilt from the file's
 recorded config)."""
 

@@ -37,4 +37,4 @@ for part in $(ls "$work"/xpack.part.* | sort); do
 done
 mv "$work/xpack.sha" ".gpu/extra$count/"
 du -sh .gpu/extra[0-9]*
-echo "carry .gpu/extra1 ... .gpu/extra$count, one per device call (README, End to end on the H200)"
+echo "carry .gpu/extra1 ... .gpu/extra$count, one per device call (bench/README.md, End to end on the H200)"

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Runs ON the GPU machine (README: "On a GPU"): the whole benchmark pipeline of bench.prefix_cache (ingest into
+# Runs ON the GPU machine (bench/README.md: "On a GPU"): the whole benchmark pipeline of bench.prefix_cache (ingest into
 # on-disk Chroma, the real embedder, BM25, the service graph, pre-warm, retrieval per question) against CUDA vLLM
 # started by scripts/gpu-vllm.sh (the project's own launcher, a model of real size with dummy weights).
 #   bash scripts/gpu-e2e.sh DATASET...   (datasets under $DATA, results in $OUT or bench/results/gpu)

@@ -112,7 +112,7 @@ def test_over_capacity_is_a_fast_429_with_retry_after_in_openai_shape(collection
             assert response.json()["error"]["code"] == "overloaded"
             assert set(response.json()["error"]) == {"message", "type", "param", "code"}
         # At once, not after waiting for the slot (its holder decodes for minutes); the bound leaves room for the
-        # event-loop stalls this 2-core VM shows under load (README, live traffic: up to seconds).
+        # event-loop stalls this 2-core VM shows under load (bench/README.md, live traffic: up to seconds).
         assert elapsed < 15, "refused at once, not after waiting"
         assert metric_total(metrics, "prefixrag_requests_refused_total") == 3
         # The holder has gone: its slot comes back and requests are admitted again.

@@ -23,10 +23,10 @@ class VLLMSettings(BaseModel):
         "X-Session-ID", description="Header carrying each request's prefix-affinity key: vllm-router's "
         "consistent_hash policy routes by it, so requests sharing a cached prefix reach the same replica.")
     token_id_prompts: bool = Field(
-        False, description="Opt-in (README: token-id prompts; no TTFT gain end to end on an H200 yet). Send a "
-        "prompt whose head was seen before as token ids (to /v1/completions), the head "
+        False, description="Opt-in (README: token-id prompts; no TTFT gain end to end on an H200 yet, "
+        "bench/README.md). Send a prompt whose head was seen before as token ids (to /v1/completions), the head "
         "tokenized once here with the served model's tokenizer, so vLLM does not re-tokenize a cached prompt on "
-        "every request (README: vLLM's front end). Only where that tokenizer is on this machine and agrees "
+        "every request (bench/README.md: vLLM's front end). Only where that tokenizer is on this machine and agrees "
         "with vLLM's /tokenize exactly; otherwise prompts go as chats.")
     tokenizer: str | None = Field(
         None, description="Local folder of the served model's tokenizer for token-id prompts (default: the "

@@ -183,8 +183,8 @@ class RAGService:
 
     async def _prompt_ids(self, messages: list[dict], plan: Plan, kept: list[ContextChunk],
                           talk: Conversation) -> list[int] | None:
-        """The prompt as token ids when its head was seen before (vLLM then need not tokenize it: README, its
-        front end); the head ends after the first turn's opening units, else before the last question."""
+        """The prompt as token ids when its head was seen before (vLLM then need not tokenize it: bench/README.md,
+        vLLM's front end); the head ends after the first turn's opening units, else before the last question."""
         if self.prompt_ids is None or not self.prompt_ids.active:
             return None  # off (the default) or no tokenizer here: the lead is not rendered again for nothing
         first_context = kept if len(plan.contexts) == 1 else plan.contexts[0]
