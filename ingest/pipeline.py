@@ -97,7 +97,7 @@ def _write_and_prune(files, prepare, stored: dict[str, StoredDocument], ids_by_s
     ``prune``, in no file at all)."""
     seen_docs: set[str] = set()
     loaded_sources: set[str] = set()
-    with progress.files(len(files)) as advance:
+    with progress.files(len(files), written=lambda: report.chunks_written) as advance:
         # Files are loaded and chunked a few ahead on a worker thread while this one embeds and writes.
         for result in prefetched(files, prepare, depth=settings.ingest.prefetch_files):
             if result.skipped_unchanged:
@@ -107,8 +107,8 @@ def _write_and_prune(files, prepare, stored: dict[str, StoredDocument], ids_by_s
                 _ingest_file(result, stored, writer, report, seen_docs)
             if result.error is None:
                 loaded_sources.add(result.rel)
-            advance(result.rel, report.chunks_written)
-    writer.flush()
+            advance(result.rel)
+        writer.flush()
     stale = [doc for doc, entry in stored.items() if doc not in seen_docs
              and (entry.source in loaded_sources or (prune and entry.source not in _failed(report)))]
     writer.delete_documents({doc: stored[doc].ids for doc in stale})

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 
@@ -53,8 +54,8 @@ class IngestReport:
 
 class Progress:
     """On a terminal, a rich progress bar over files. Elsewhere (nohup, docker logs, CI) one line on stderr every
-    ``interval_s``: files, chunks, chunks/s, ETA. ``enabled=False`` (library use): silent. Either way it counts
-    the files done, for the line an interrupted run prints."""
+    ``interval_s``, and a last one when the run's writes are done: files, chunks, chunks/s, ETA. ``enabled=False``
+    (library use): silent. Either way it counts the files done, for the line an interrupted run prints."""
 
     def __init__(self, enabled: bool | None = None, interval_s: float = 10.0) -> None:
         self.enabled = True if enabled is None else enabled
@@ -63,37 +64,43 @@ class Progress:
         self.files_done = 0
 
     @contextmanager
-    def files(self, total: int):
+    def files(self, total: int, written: Callable[[], int]):
+        """Yields ``advance(name)``, called once per file done; ``written()`` is the chunks stored so far (writes
+        are batched, so it lags the files: the last line is printed on leaving, after the caller's last write)."""
         if not self.enabled:
             yield self._count
         elif self.terminal:
             with self._bar(total) as update:
-                def advance(name: str, chunks: int) -> None:
-                    self._count(name, chunks)
-                    update(name, chunks)
+                def advance(name: str) -> None:
+                    self._count(name)
+                    update(name, written())
 
                 yield advance
         else:
-            yield self._lines(total)
+            started = time.monotonic()
+            yield self._lines(total, written, started)
+            self._line(total, written(), time.monotonic() - started)
 
-    def _count(self, name: str, chunks: int) -> None:
+    def _count(self, name: str) -> None:
         self.files_done += 1
 
-    def _lines(self, total: int):
-        started = last = time.monotonic()
+    def _lines(self, total: int, written: Callable[[], int], started: float):
+        last = started
 
-        def line(name: str, chunks: int) -> None:
+        def line(name: str) -> None:
             nonlocal last
-            self._count(name, chunks)
+            self._count(name)
             now = time.monotonic()
-            if now - last < self.interval_s and self.files_done < total:
-                return
-            last, elapsed = now, now - started
-            eta = elapsed / self.files_done * (total - self.files_done)
-            print(f"ingest: {self.files_done}/{total} files, {chunks} chunks written, "
-                  f"{chunks / elapsed if elapsed else 0:.1f} chunks/s, ETA {eta:.0f}s", file=sys.stderr, flush=True)
+            if now - last >= self.interval_s and self.files_done < total:
+                last = now
+                self._line(total, written(), now - started)
 
         return line
+
+    def _line(self, total: int, chunks: int, elapsed: float) -> None:
+        eta = elapsed / self.files_done * (total - self.files_done) if self.files_done else 0.0
+        print(f"ingest: {self.files_done}/{total} files, {chunks} chunks written, "
+              f"{chunks / elapsed if elapsed else 0:.1f} chunks/s, ETA {eta:.0f}s", file=sys.stderr, flush=True)
 
     @contextmanager
     def _bar(self, total: int):

@@ -161,6 +161,10 @@ def test_bad_files_are_reported_and_skipped_and_good_ones_ingested(tmp_path, set
     assert "too large" in reasons["huge.txt"]
     assert any("line 2" in w for w in summary["warnings"]) and any("line 3" in w for w in summary["warnings"])
     assert summary["files_added"] == 6  # the five good fixtures + mixed.jsonl's good record
+    # stderr is a pipe: progress lines, the last one printed after the last write, so it counts every chunk stored.
+    last = [line for line in result.stderr.splitlines() if line.startswith("ingest: ")][-1]
+    files = summary["files_seen"]
+    assert last.startswith(f"ingest: {files}/{files} files, {summary['chunks_written']} chunks written"), last
 
 
 def test_cli_usage_errors_exit_2_and_fatal_errors_exit_3(tmp_path):
