@@ -24,6 +24,8 @@ MB = 1024 * 1024
 def keyed(collections, vllm_url, embedder):
     settings = app_settings(collections, vllm_url)
     settings.service.api_key, settings.service.max_body_bytes = "s3cret", 1 * MB
+    # vLLM's address as users often write it, without /v1: it used to pass the probes, then every answer got 404.
+    settings.vllm = VLLMSettings(url=vllm_url.removesuffix("/v1"), retry_interval_s=0.2)
     with AppServer(create_app(settings, embedder=embedder)) as running:
         running.wait_ready()
         yield running

@@ -8,8 +8,10 @@ from __future__ import annotations
 import httpx
 import openai
 import pytest
+from pydantic import ValidationError
 
 from app.core import pages
+from app.core.settings import Settings
 from app.main import create_app
 from ingest.pipeline import run_ingest
 from tests.corpora import app_settings, floor_block, write_notes
@@ -101,10 +103,17 @@ def test_each_chat_turn_extends_the_previous_prompt(notes, embedder):
 
 
 def test_an_empty_hotness_dir_turns_persistence_off(monkeypatch):
-    from app.core.settings import Settings
-
     monkeypatch.setenv("RAG_GENERATION__HOTNESS_DIR", "")  # was Path(""): hotness files written into the cwd
     assert Settings(_env_file=None).generation.hotness_dir is None
+
+
+def test_the_vllm_url_may_be_given_with_or_without_v1(monkeypatch):
+    for given in ("http://vllm:8000", "http://vllm:8000/", "http://vllm:8000/v1", "http://vllm:8000/v1/"):
+        monkeypatch.setenv("RAG_VLLM_URL", given)
+        assert Settings(_env_file=None).vllm.url == "http://vllm:8000/v1"
+    monkeypatch.setenv("RAG_VLLM_URL", "vllm:8000")
+    with pytest.raises(ValidationError, match="http://"):
+        Settings(_env_file=None)
 
 
 def test_a_source_filter_shows_no_document_from_another_source(tmp_path, embedder):

@@ -79,5 +79,6 @@ class Settings(BaseSettings):
                 setattr(self, flat, None)
         # Re-validate sections the aliases touched so bad values fail fast here, not at first use.
         self.chroma = ChromaSettings.model_validate(self.chroma.model_dump())
+        self.vllm = VLLMSettings.model_validate(self.vllm.model_dump())
         self.generation = GenerationSettings.model_validate(self.generation.model_dump())
         return self

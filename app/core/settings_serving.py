@@ -12,7 +12,8 @@ STRATEGIES = ("canonical", "document", "reuse", "corpus", "auto")
 
 
 class VLLMSettings(BaseModel):
-    url: str = Field("http://127.0.0.1:8000/v1", description="Base URL of the vLLM OpenAI server (ends in /v1).")
+    url: str = Field("http://127.0.0.1:8000/v1", description="URL of the vLLM OpenAI server (or of vllm-router), "
+                     "with or without the trailing /v1: http://host:8000 and http://host:8000/v1 are the same.")
     model: str | None = Field(None, description="Served model name; default: the one model vLLM lists.")
     api_key: str = Field("EMPTY", description="API key sent to vLLM (vLLM's --api-key), if any.")
     timeout_s: float = Field(120.0, gt=0, description="Per-request timeout to vLLM; over it /ask answers 504.")
@@ -31,6 +32,16 @@ class VLLMSettings(BaseModel):
     tokenizer: str | None = Field(
         None, description="Local folder of the served model's tokenizer for token-id prompts (default: the "
         "folder vLLM serves from, its /v1/models 'root', when this machine has it).")
+
+    @field_validator("url")
+    @classmethod
+    def _openai_base(cls, url: str) -> str:
+        """Kept as the OpenAI base, ``.../v1``: vLLM's address is written both ways, and without the ``/v1`` the
+        probes (which use the server root) passed while every generation request got 404."""
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"vllm url must start with http:// or https://, got {url!r}")
+        base = url.rstrip("/")
+        return base if base.endswith("/v1") else f"{base}/v1"
 
 
 class VLLMServerSettings(BaseModel):
