@@ -11,7 +11,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from app.core.settings import GenerationSettings, Settings, TrafficSettings
+from app.core.settings import GenerationSettings, Settings, TrafficSettings, VLLMSettings
 from app.llm import LLMClient
 from app.metrics import ServiceMetrics
 from app.rag.retriever import Retriever
@@ -51,7 +51,8 @@ class Harness:
         self.args = args
         self.settings = Settings(_env_file=None)
         self.settings.chroma.path, self.settings.chroma.collection = chroma, f"bench-{dataset.name}"[:60]
-        self.settings.vllm.url = vllm_url
+        # Validated, so --vllm-url may be given with or without /v1:
+        self.settings.vllm = VLLMSettings(**self.settings.vllm.model_dump() | {"url": vllm_url})
         self.embedder = Embedder(self.settings.embedding)
         started = time.perf_counter()
         report = run_ingest([dataset.passages], self.settings, self.embedder)
