@@ -57,7 +57,7 @@ def show(number: int, question: str, body: dict) -> None:
     usage = body["usage"]
     print(f"\nQ{number}: {question}\nA{number}: {body['answer'].strip()}")
     for source in body["sources"]:
-        print(f"    source: {source['id']}  ({source['title']}, score {source['score']:.2f})")
+        print(f"    source: {source['id']}  ({source['headings'] or source['title']}, score {source['score']:.2f})")
     print(f"    strategy={body['strategy']} prompt_tokens={usage['prompt_tokens']} "
           f"cached_tokens={usage['cached_tokens']} ttft={body['timings_ms']['ttft']:.0f} ms", flush=True)
 
