@@ -61,6 +61,13 @@ def create_app(settings: Settings | None = None, *, embedder=None, llm=None) -> 
     install_error_handlers(app)
     app.add_middleware(RequestEdge, max_body_bytes=settings.service.max_body_bytes, api_key=settings.service.api_key)
     observe(app, metrics)
+    if settings.service.cors_origins:
+        from starlette.middleware.cors import CORSMiddleware
+
+        # Outermost: a browser's preflight carries no key, and every answer (a 401 or a 429 too) needs the CORS
+        # headers for the calling page to read it, Retry-After and the request id included.
+        app.add_middleware(CORSMiddleware, allow_origins=settings.service.cors_origins, allow_methods=["GET", "POST"],
+                           allow_headers=["*"], expose_headers=["X-Request-ID", "Retry-After"], max_age=600)
     from app.routers import ask, health, openai_chat, page
 
     app.include_router(health.router)

@@ -1,17 +1,55 @@
-"""Real servers for tests: the vLLM CPU test model, the app under uvicorn, and a TCP proxy that can cut
-the app off from vLLM (vLLM itself keeps running: restarting it costs ~40 s on CPU)."""
+"""Real servers for tests: the vLLM CPU test model, the app under uvicorn, a TCP proxy that can cut the app off
+from vLLM (vLLM itself keeps running: restarting it costs ~40 s on CPU), a static site on another origin, and
+Debian's chromium driven headless by Playwright (no browser download)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import shutil
 import threading
 import time
+from collections.abc import Iterator
+from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import httpx
 import uvicorn
 
 from tests.conftest import free_port, wait_for_http
+
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+
+
+@contextlib.contextmanager
+def browser_page():
+    """A page of a fresh headless chromium."""
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_FLAGS)
+        try:
+            yield browser.new_page()
+        finally:
+            browser.close()
+
+
+@contextlib.contextmanager
+def static_site(folder: Path) -> Iterator[str]:
+    """``folder`` served over HTTP on a port of its own (another origin than the app's); yields its origin."""
+    handler = functools.partial(SimpleHTTPRequestHandler, directory=str(folder))
+    handler.log_message = lambda *args: None
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_port}"
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 def reset_prefix_cache(vllm_url: str) -> None:

@@ -16,7 +16,7 @@ from app.main import create_app
 from ingest.pipeline import run_ingest
 from tests.corpora import app_settings, floor_block, write_notes
 from tests.fakes import BLOCK, FakeVLLM
-from tests.servers import AppServer
+from tests.servers import AppServer, browser_page, static_site
 
 
 @pytest.fixture(scope="module")
@@ -205,3 +205,37 @@ def test_start_up_objects_are_frozen_out_of_the_gc_and_its_pauses_are_published(
         after = metric_total(httpx.get(server.url + "/metrics").text, "prefixrag_gc_pause_seconds_count")
     assert frozen > 100_000
     assert after >= before + 1
+
+
+CROSS_ORIGIN_CHAT = """async ([url, key]) => {
+  try {
+    const response = await fetch(url + "/v1/chat/completions", {method: "POST",
+      headers: {"authorization": "Bearer " + key, "content-type": "application/json"},
+      body: JSON.stringify({messages: [{role: "user", content: "What do the notes say?"}], max_tokens: 8})});
+    const body = await response.json();
+    return {status: response.status, requestId: response.headers.get("x-request-id"),
+            answer: response.ok ? body.choices[0].message.content : body.error.code};
+  } catch (error) {
+    return "blocked";
+  }
+}"""
+
+
+def test_a_page_of_an_allowed_origin_calls_the_api_from_the_browser_and_others_are_blocked(notes, embedder,
+                                                                                            tmp_path):
+    chroma, _, _ = notes
+    (tmp_path / "index.html").write_text("<!doctype html><title>a team's own frontend</title>")
+    seen = {}
+    with static_site(tmp_path) as frontend, browser_page() as page:
+        page.goto(frontend + "/")
+        for allowed in ([], [frontend]):
+            settings = app_settings(chroma, "http://unused/v1", collection="notes", hotness_dir=None)
+            settings.service.api_key, settings.service.cors_origins = "s3cret", allowed
+            with AppServer(create_app(settings, embedder=embedder, llm=FakeVLLM())) as server:
+                server.wait_ready()
+                calls = [page.evaluate(CROSS_ORIGIN_CHAT, [server.url, key]) for key in ("s3cret", "nope")]
+            seen[bool(allowed)] = calls
+    assert seen[False] == ["blocked", "blocked"]  # the default: no CORS headers, the browser hides the answer
+    answered, refused = seen[True]
+    assert answered["status"] == 200 and answered["answer"] and answered["requestId"]
+    assert refused == {"status": 401, "requestId": refused["requestId"], "answer": "invalid_api_key"}

@@ -2,28 +2,19 @@
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 
 from app.main import create_app
 from tests.corpora import app_settings
-from tests.servers import AppServer
+from tests.servers import AppServer, browser_page
 
 pytestmark = pytest.mark.vllm
-CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
-FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-         "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 
 
 @pytest.fixture
 def page():
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
-        yield browser.new_page()
-        browser.close()
+    with browser_page() as opened:
+        yield opened
 
 
 def test_ask_on_the_page_streams_an_answer_with_sources(page, collections, vllm_url, embedder, tmp_path):

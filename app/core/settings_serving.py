@@ -4,9 +4,10 @@ Sections of the one ``Settings`` object (``app.core.settings``)."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, Field, field_validator
+from pydantic_settings import NoDecode
 
 STRATEGIES = ("canonical", "document", "reuse", "corpus", "auto")
 
@@ -159,3 +160,14 @@ class ServiceSettings(BaseModel):
     prompts_dir: Path = Field(Path(__file__).resolve().parents[2] / "prompts", description="Prompt templates.")
     model_id: str = Field("prefixrag", description="Model id the OpenAI-compatible API lists.")
     append_sources: bool = Field(False, description="Append a 'Sources:' list to chat answers for text-only UIs.")
+    cors_origins: Annotated[list[str], NoDecode] = Field(
+        [], description="Web origins whose pages may call this API from the browser (CORS), comma-separated, e.g. "
+        "'https://chat.example.com,http://localhost:3000'; '*' allows any. Empty (default): no CORS headers, so "
+        "only same-origin pages (the built-in one) can read answers.")
+
+    @field_validator("cors_origins", mode="before")
+    @classmethod
+    def _comma_separated(cls, value: object) -> object:
+        if isinstance(value, str):
+            return [origin.strip().rstrip("/") for origin in value.split(",") if origin.strip()]
+        return value
