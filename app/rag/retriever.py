@@ -98,19 +98,18 @@ class Retriever:
         found = index.search(question, depth if mode == "hybrid" else k, sources)
         if mode == "lexical":
             return self._chunks([i for i, _ in found], [score for _, score in found])
-        dense = self._dense(question, depth, where)
-        fused = reciprocal_rank_fusion([[c.id for c in dense], [i for i, _ in found]], self.retrieval.rrf_k)[:k]
-        known = {c.id: c for c in dense}
-        missing = self._chunks([i for i, _ in fused if i not in known], [0.0] * len(fused))
-        known |= {c.id: c for c in missing}
-        kept = [(i, score) for i, score in fused if i in known]  # a chunk deleted since the index was built: gone
-        return [replace(known[i], score=round(score, 4), rank=rank) for rank, (i, score) in enumerate(kept)]
+        dense = self._query(question, depth, where, include=[])  # ids only: texts are read for the fused k alone
+        fused = reciprocal_rank_fusion([dense["ids"][0], [i for i, _ in found]], self.retrieval.rrf_k)[:k]
+        kept = self._chunks([i for i, _ in fused], [score for _, score in fused])  # deleted since indexed: gone
+        return [replace(chunk, rank=rank) for rank, chunk in enumerate(kept)]
 
-    def _dense(self, question: str, k: int, where: dict | None) -> list[ContextChunk]:
+    def _query(self, question: str, k: int, where: dict | None, include: list[str]) -> dict:
         vector = self.embedder.embed([question])[0]
         with chroma_errors("query"):
-            found = self.collection.query(query_embeddings=[vector], n_results=k, where=where,
-                                          include=["documents", "metadatas", "distances"])
+            return self.collection.query(query_embeddings=[vector], n_results=k, where=where, include=include)
+
+    def _dense(self, question: str, k: int, where: dict | None) -> list[ContextChunk]:
+        found = self._query(question, k, where, include=["documents", "metadatas", "distances"])
         rows = zip(found["ids"][0], found["documents"][0], found["metadatas"][0], found["distances"][0])
         return [to_chunk(chunk_id, text, meta, 1.0 - distance, rank)
                 for rank, (chunk_id, text, meta, distance) in enumerate(rows)]
