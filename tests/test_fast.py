@@ -116,6 +116,16 @@ def test_the_vllm_url_may_be_given_with_or_without_v1(monkeypatch):
         Settings(_env_file=None)
 
 
+def test_cors_origins_are_a_comma_list_or_json_and_a_bad_one_fails_at_start(monkeypatch):
+    for given in ("https://chat.example, http://localhost:3000/", '["https://chat.example", "http://localhost:3000"]'):
+        monkeypatch.setenv("RAG_SERVICE__CORS_ORIGINS", given)
+        assert Settings(_env_file=None).service.cors_origins == ["https://chat.example", "http://localhost:3000"]
+    for bad in ("chat.example", "https://chat.example/app", '["https://chat.example"'):
+        monkeypatch.setenv("RAG_SERVICE__CORS_ORIGINS", bad)
+        with pytest.raises(ValidationError):  # it would never match what a browser sends: say so at start-up
+            Settings(_env_file=None)
+
+
 def test_a_source_filter_shows_no_document_from_another_source(tmp_path, embedder):
     """Pages (and the corpus) group documents across sources; a request filtered to one source must not see the
     others: its hit's own document is the unit then."""

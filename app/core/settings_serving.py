@@ -3,6 +3,8 @@ Sections of the one ``Settings`` object (``app.core.settings``)."""
 
 from __future__ import annotations
 
+import json
+import re
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -10,6 +12,7 @@ from pydantic import BaseModel, Field, field_validator
 from pydantic_settings import NoDecode
 
 STRATEGIES = ("canonical", "document", "reuse", "corpus", "auto")
+ORIGIN = re.compile(r"https?://[^/\s]+")
 
 
 class VLLMSettings(BaseModel):
@@ -169,5 +172,17 @@ class ServiceSettings(BaseModel):
     @classmethod
     def _comma_separated(cls, value: object) -> object:
         if isinstance(value, str):
-            return [origin.strip().rstrip("/") for origin in value.split(",") if origin.strip()]
+            if value.lstrip().startswith("["):  # a JSON list, as pydantic-settings reads lists elsewhere
+                return json.loads(value)
+            return [origin.strip() for origin in value.split(",") if origin.strip()]
         return value
+
+    @field_validator("cors_origins")
+    @classmethod
+    def _origins(cls, origins: list[str]) -> list[str]:
+        """An origin is what a browser sends (scheme://host[:port]); anything else would silently never match."""
+        cleaned = [origin.rstrip("/") for origin in origins]
+        for origin in cleaned:
+            if origin != "*" and not ORIGIN.fullmatch(origin):
+                raise ValueError(f"a CORS origin is '*' or scheme://host[:port] (no path), got {origin!r}")
+        return cleaned
