@@ -80,6 +80,7 @@ def test_three_turns_each_reuse_the_previous_prompt(server, vllm_url):
     {"model": "prefixrag", "messages": [{"role": "wizard", "content": "hi"}]},
     {"model": "prefixrag", "messages": [{"role": "assistant", "content": "hi"}]},
     {"model": "prefixrag", "messages": [{"role": "user", "content": "hi"}], "temperature": "hot"},
+    {"model": "prefixrag", "messages": [{"role": "user", "content": "hi"}], "presence_penalty": 3},
 ])
 def test_bad_requests_are_400_in_openai_shape(server, body):
     response = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=30)
@@ -95,6 +96,16 @@ def test_unknown_fields_are_ignored(server):
         "model": "prefixrag", "messages": [{"role": "user", "content": "What is prefill?"}], "max_tokens": 4,
         "frequency_penalty": 0, "logit_bias": {}, "n": 1, "seed": 3, "some_frontend_field": True})
     assert response.status_code == 200, response.text
+
+
+def test_a_seed_makes_a_sampled_answer_repeatable(server):
+    def answer(seed: int) -> str:
+        return client_for(server).chat.completions.create(
+            model="prefixrag", messages=[{"role": "user", "content": "What is prefill?"}], max_tokens=16,
+            temperature=1.0, seed=seed, frequency_penalty=0.5).choices[0].message.content
+
+    first, again, other = answer(7), answer(7), answer(8)
+    assert first == again and first != other  # vLLM got the seed (the dummy model's text is noise, sampled)
 
 
 def test_api_key_when_set(collections, vllm_url, embedder):

@@ -11,6 +11,24 @@ from app.errors import BadRequest
 from app.rag.conversation import Turn
 
 
+@dataclass(frozen=True)
+class Sampling:
+    """A client's own sampling choices, passed to vLLM as given (None: the service's default, or vLLM's)."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+
+    def options(self) -> dict:
+        """The parameters a client set, but temperature (the service has a default of its own for it)."""
+        chosen = {"top_p": self.top_p, "stop": self.stop, "seed": self.seed,
+                  "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty}
+        return {name: value for name, value in chosen.items() if value is not None}
+
+
 @dataclass
 class Query:
     """``POST /ask`` as received."""
@@ -19,7 +37,6 @@ class Query:
     top_k: int | None = None
     source_prefix: str | None = None
     max_tokens: int | None = None
-    temperature: float | None = None
     received_at: float = field(default_factory=time.perf_counter)
 
 
@@ -32,9 +49,7 @@ class ChatQuery:
     top_k: int | None = None
     source_prefix: str | None = None
     max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    stop: list[str] | None = None
+    sampling: Sampling = Sampling()
     received_at: float = field(default_factory=time.perf_counter)
 
 
@@ -47,9 +62,7 @@ class Conversation:
     max_tokens: int
     system: str = ""
     source_prefix: str | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    stop: list[str] | None = None
+    sampling: Sampling = Sampling()
     received_at: float = field(default_factory=time.perf_counter)
 
     @property
@@ -66,8 +79,7 @@ class RequestRules:
     def ask(self, query: Query) -> Conversation:
         question = self._question(query.question, "question")
         return Conversation((Turn("user", question),), self._top_k(query.top_k), self._max_tokens(query.max_tokens),
-                            source_prefix=query.source_prefix, temperature=query.temperature,
-                            received_at=query.received_at)
+                            source_prefix=query.source_prefix, received_at=query.received_at)
 
     def chat(self, chat: ChatQuery) -> Conversation:
         limits = self.settings
@@ -85,7 +97,7 @@ class RequestRules:
             content = self._question(turn.content, f"messages[{number}]") if turn.role == "user" else turn.content
             turns.append(Turn(turn.role, content))
         return Conversation(tuple(turns), self._top_k(chat.top_k), self._max_tokens(chat.max_tokens), chat.system,
-                            chat.source_prefix, chat.temperature, chat.top_p, chat.stop, chat.received_at)
+                            chat.source_prefix, chat.sampling, chat.received_at)
 
     def _question(self, text: object, where: str) -> str:
         question = text.strip() if isinstance(text, str) else ""

@@ -160,9 +160,9 @@ class RAGService:
                         ) -> AsyncIterator[Delta | Answer]:
         request = self.llm.chat_request(
             messages, max_tokens=talk.max_tokens, prefix_key=affinity,
-            temperature=self.settings.temperature if talk.temperature is None else talk.temperature,
+            temperature=self.settings.temperature if talk.sampling.temperature is None else talk.sampling.temperature,
             repetition_penalty=self.settings.repetition_penalty, sampling=self.settings.extra_sampling,
-            top_p=talk.top_p, stop=talk.stop)
+            **talk.sampling.options())
         completion, first_token = Completion(), None
         ids = await self._prompt_ids(messages, plan, kept, talk)
         self.metrics.prompts_sent.labels("token_ids" if ids is not None else "chat").inc()

@@ -33,7 +33,7 @@ from app.protocol import (
     sources_of,
 )
 from app.rag.conversation import Turn
-from app.rag.requests import ChatQuery
+from app.rag.requests import ChatQuery, Sampling
 from app.rag.service import Answer
 from app.routers.streaming import event_stream, sse, started, unless_client_leaves
 
@@ -73,8 +73,10 @@ def to_chat_query(body: ChatCompletionRequest) -> ChatQuery:
     system = "\n\n".join(m.text() for m in body.messages if m.role in ("system", "developer") and m.text())
     turns = [Turn(m.role, m.text()) for m in body.messages if m.role in ("user", "assistant")]
     stop = [body.stop] if isinstance(body.stop, str) else body.stop
+    sampling = Sampling(temperature=body.temperature, top_p=body.top_p, stop=stop, seed=body.seed,
+                        presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty)
     return ChatQuery(turns=turns, system=system, max_tokens=body.max_completion_tokens or body.max_tokens,
-                     temperature=body.temperature, top_p=body.top_p, stop=stop)
+                     sampling=sampling)
 
 
 def usage_of(answer: Answer) -> ChatUsage:
