@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Runs ON the GPU machine (bench/README.md: "On a GPU"): start vLLM (scripts/gpu-vllm.sh), then replay each dataset's prompt
-# dumps at several concurrencies.
+# Runs ON the GPU machine (bench/README.md: "On a GPU"): start vLLM (scripts/gpu-vllm.sh), then replay each
+# dataset's prompt dumps at several concurrencies.
 #   bash scripts/gpu-bench.sh DATASET...      (dumps in .gpu/dumps/DATASET, results in $OUT or bench/results/gpu)
 set -euo pipefail
 cd "$(dirname "$0")/.."

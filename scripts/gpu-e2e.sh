@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Runs ON the GPU machine (bench/README.md: "On a GPU"): the whole benchmark pipeline of bench.prefix_cache (ingest into
-# on-disk Chroma, the real embedder, BM25, the service graph, pre-warm, retrieval per question) against CUDA vLLM
-# started by scripts/gpu-vllm.sh (the project's own launcher, a model of real size with dummy weights).
+# Runs ON the GPU machine (bench/README.md: "On a GPU"): the whole benchmark pipeline of bench.prefix_cache
+# (ingest into on-disk Chroma, the real embedder, BM25, the service graph, pre-warm, retrieval per question)
+# against CUDA vLLM started by scripts/gpu-vllm.sh (the project's own launcher, a model of real size with dummy
+# weights).
 #   bash scripts/gpu-e2e.sh DATASET...   (datasets under $DATA, results in $OUT or bench/results/gpu)
 # Needs vLLM installed from ../shared/gpu (/tmp/site) and the service's own dependencies the image lacks, installed
 # from the bundle `scripts/gpu-e2e-pack.sh` makes (EXTRA: the staged folder holding its parts).
