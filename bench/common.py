@@ -7,8 +7,14 @@ import json
 import os
 import platform
 import subprocess
+import sys
 from datetime import UTC, datetime
 from pathlib import Path
+
+
+def command_line(module: str, argv: list[str] | None) -> str:
+    """The command that made a result, as recorded in its file: ``python -m MODULE`` and its arguments."""
+    return " ".join([f"python -m {module}", *(argv if argv is not None else sys.argv[1:])])
 
 
 def add_stream_args(parser: argparse.ArgumentParser, *, questions: int, concurrency: int) -> None:

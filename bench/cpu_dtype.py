@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import httpx
 
-from bench.common import environment, write_json
+from bench.common import command_line, environment, write_json
 
 MODELS = {"test-model": ["--test-model"], "smollm2": ["--model", "smollm2"]}
 
@@ -68,8 +67,7 @@ def main(argv: list[str] | None = None) -> int:
                 for model in args.models.split(",") for dtype in args.dtypes.split(",")]
     for row in rows:
         print(row, flush=True)
-    command = " ".join(["python -m bench.cpu_dtype", *(argv if argv is not None else sys.argv[1:])])
-    payload = {"command": command, "rows": rows, "environment": environment()}
+    payload = {"command": command_line("bench.cpu_dtype", argv), "rows": rows, "environment": environment()}
     write_json(args.out, payload)
     plot(payload, args.out.with_suffix(".png"))
     return 0

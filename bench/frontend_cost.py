@@ -16,7 +16,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.common import environment, write_json
+from bench.common import command_line, environment, write_json
 
 QUESTION = "What was the change in total revenue between the two years?"
 
@@ -97,8 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         rows = [measure(client, model, text, size, args.repeats) for size in sizes]
     for row in rows:
         print(json.dumps(row), flush=True)
-    command = " ".join(["python -m bench.frontend_cost", *(argv if argv is not None else sys.argv[1:])])
-    payload = {"command": command, "model": model,
+    payload = {"command": command_line("bench.frontend_cost", argv), "model": model,
                "repeats": args.repeats, "rows": rows, "environment": environment()}
     write_json(args.out, payload)
     try:

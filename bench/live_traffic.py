@@ -29,7 +29,7 @@ from pathlib import Path
 import httpx
 from httpx_sse import aconnect_sse
 
-from bench.common import environment, write_json
+from bench.common import command_line, environment, write_json
 from bench.stats import percentile
 
 DEFAULT_DATA = Path("../shared/data/python-3.11-docs-html/files")
@@ -79,8 +79,7 @@ def main(argv: list[str] | None = None) -> int:
 
             with LocalVLLM(Path(tmp) / "vllm.log", max_model_len=8192) as url:
                 result = run_with_app(args, url, collection, questions, Path(tmp))
-    result |= {"command": "python -m bench.live_traffic " + " ".join(argv if argv is not None else sys.argv[1:]),
-               "environment": environment()}
+    result |= {"command": command_line("bench.live_traffic", argv), "environment": environment()}
     write_json(args.out, result)
     from bench.stats import plot_live_traffic
 
