@@ -18,13 +18,12 @@ class Sampling:
     temperature: float | None = None
     top_p: float | None = None
     stop: list[str] | None = None
-    seed: int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
 
     def options(self) -> dict:
         """The parameters a client set, but temperature (the service has a default of its own for it)."""
-        chosen = {"top_p": self.top_p, "stop": self.stop, "seed": self.seed,
+        chosen = {"top_p": self.top_p, "stop": self.stop,
                   "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty}
         return {name: value for name, value in chosen.items() if value is not None}
 

