@@ -14,7 +14,7 @@ from app.main import create_app
 from ingest.pipeline import run_ingest
 from tests.conftest import ROOT
 from tests.corpora import FACTS, app_settings, floor_block
-from tests.servers import AppServer, proxy_in_front_of, reset_prefix_cache
+from tests.servers import PROBE_TIMEOUT, AppServer, proxy_in_front_of, reset_prefix_cache
 
 pytestmark = pytest.mark.vllm
 
@@ -121,7 +121,8 @@ def test_an_ingest_while_serving_is_picked_up_without_a_restart(tmp_path, vllm_u
         deadline = time.monotonic() + 30
         # At least one reload: an ingest stamps the collection before its first write and again at its end, and
         # the service may see both stamps (2 reloads) or only the last.
-        while metric_total(httpx.get(server.url + "/metrics").text, "prefixrag_collection_reloads_total") < 1:
+        reloads = "prefixrag_collection_reloads_total"
+        while metric_total(httpx.get(server.url + "/metrics", timeout=PROBE_TIMEOUT).text, reloads) < 1:
             assert time.monotonic() < deadline, "the service did not notice the ingest"
             time.sleep(0.2)
         after = ask(server, **question).json()

@@ -21,7 +21,7 @@ from app.llm import metric_total
 from app.main import create_app
 from tests.conftest import ROOT, free_port, wait_for_http
 from tests.corpora import app_settings
-from tests.servers import AppServer, reset_prefix_cache
+from tests.servers import PROBE_TIMEOUT, AppServer, reset_prefix_cache
 
 pytestmark = pytest.mark.vllm
 LONG = 3000  # answer tokens: the CPU test model decodes for far longer than any check below waits
@@ -105,7 +105,7 @@ def test_over_capacity_is_a_fast_429_with_retry_after_in_openai_shape(collection
             with pytest.raises(openai.RateLimitError):
                 client.chat.completions.create(model="prefixrag", messages=[{"role": "user", "content": "Why?"}],
                                                stream=True)
-            metrics = httpx.get(server.url + "/metrics").text
+            metrics = httpx.get(server.url + "/metrics", timeout=PROBE_TIMEOUT).text
         for response in (refused, refused_stream):
             assert response.status_code == 429, response.text
             assert int(response.headers["Retry-After"]) >= 1
@@ -138,7 +138,7 @@ def test_a_client_that_leaves_aborts_its_vllm_request(collections, vllm_url, emb
         after = vllm_counters(vllm_url)
         assert after[0] > before[0], "the request reached vLLM (its prompt was prefilled)"
         assert after[1] == before[1], "and was aborted, not decoded to its end"
-        status = httpx.get(server.url + "/readyz").json()
+        status = httpx.get(server.url + "/readyz", timeout=PROBE_TIMEOUT).json()
         assert status["traffic"]["present"] == 0  # and its slot is free
 
 
@@ -152,7 +152,8 @@ def test_sigterm_drains_for_a_bounded_time_then_exits_leaving_no_vllm_work(colle
     try:
         url = f"http://127.0.0.1:{port}"
         wait_for_http(url + "/healthz", 120)
-        wait_until(lambda: httpx.get(url + "/readyz").status_code == 200, 60, "the app ready")
+        wait_until(lambda: httpx.get(url + "/readyz", timeout=PROBE_TIMEOUT).status_code == 200, 60,
+                   "the app ready")
         wait_until(lambda: running(vllm_url) == 0, 30, "an idle vLLM to start from")
         thread = threading.Thread(target=lambda: httpx.post(url + "/ask", timeout=120, json={
             "question": "What do anchors do?", "max_tokens": LONG}), daemon=True)
@@ -231,12 +232,12 @@ def test_a_question_during_pre_warm_goes_first_and_pre_warm_finishes_after(books
         # abort: ask again, while pre-warm still runs, until one lands on a request in flight.
         for question in ("What does the chunker do?", "How is a unit warmed?", "What is a page?"):
             answer = httpx.post(server.url + "/ask", json={"question": question, "max_tokens": 4}, timeout=120)
-            during = httpx.get(server.url + "/readyz").json()
+            during = httpx.get(server.url + "/readyz", timeout=PROBE_TIMEOUT).json()
             still_warming = during["warmup"]["state"] == "warming"
             if answer.status_code != 200 or during["traffic"]["warmup_yields"] or not still_warming:
                 break
         done = server.wait_warmed(done=True, timeout=120)["warmup"]
-        metrics = httpx.get(server.url + "/metrics").text
+        metrics = httpx.get(server.url + "/metrics", timeout=PROBE_TIMEOUT).text
     assert answer.status_code == 200, answer.text
     assert during["traffic"]["warmup_yields"] >= 1, "a warm-up request in flight was aborted for the question"
     assert done["units_warmed"] == done["units_planned"] > 1 and done["tokens"] > 30_000
@@ -253,7 +254,8 @@ def test_pre_warm_stops_at_its_absolute_token_budget_and_says_so(books, vllm_url
                             warm_max_tokens=5000)
     with AppServer(create_app(settings, embedder=embedder)) as server:
         deadline = time.monotonic() + 60
-        while not (warmup := httpx.get(server.url + "/readyz").json()["warmup"])["state"].startswith("stopped"):
+        while not (warmup := httpx.get(server.url + "/readyz",
+                                       timeout=PROBE_TIMEOUT).json()["warmup"])["state"].startswith("stopped"):
             assert time.monotonic() < deadline, warmup
             time.sleep(0.2)
     assert warmup["state"] == "stopped: token budget (5000)"
