@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.common import environment, write_json
+from bench.common import command_line, environment, write_json
 
 QUESTIONS = ("How do I configure sys.path?", "What is a generator?", "How does the asyncio event loop work?")
 
@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
                            capture_output=True, text=True, check=True)
     result = {"unfrozen": asyncio.run(measure(args, freeze=False)),
               "frozen": json.loads(child.stdout.strip().splitlines()[-1]),
-              "command": "python -m bench.gc_pause " + " ".join(argv), "environment": environment()}
+              "command": command_line("bench.gc_pause", argv), "environment": environment()}
     write_json(args.out, result)
     print({key: result[key]["collect_ms"] for key in ("unfrozen", "frozen")})
     return 0

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import environment, write_json
+from bench.common import command_line, environment, write_json
 
 
 def corpus_bytes(root: Path) -> int:
@@ -81,7 +81,8 @@ def main(argv: list[str] | None = None) -> int:
         "ratio_to_encoder": round(ingest_rate / encoder_rate, 3), "encoder_batch_size": settings.embedding.batch_size,
         "reingest_seconds": again.seconds, "reingest_writes": again.writes,
         "reingest_share": round(again.seconds / first.seconds, 4), "reingest_cli_seconds": cli_s,
-        "reingest_cli_share": round(cli_s / first.seconds, 4), "environment": environment(),
+        "reingest_cli_share": round(cli_s / first.seconds, 4),
+        "command": command_line("bench.ingest", argv), "environment": environment(),
     }
     name = args.data.resolve().name
     name = args.data.resolve().parent.name if name == "files" else name  # shared/data/<set>/files

@@ -22,7 +22,7 @@ from pathlib import Path
 import httpx
 
 from app.vllm_process import LocalVLLM, free_port, wait_for_http
-from bench.common import environment, write_json
+from bench.common import command_line, environment, write_json
 
 KEY = "probe-key"
 MB = 1024 * 1024
@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             app.terminate()
             app.wait(30)
-    write_json(args.out, result | {"environment": environment()})
+    write_json(args.out, result | {"command": command_line("bench.probe_edge", argv), "environment": environment()})
     return 0
 
 

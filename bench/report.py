@@ -1,6 +1,6 @@
 """``python -m bench.report RESULT.json...``: the markdown table of the READMEs for each benchmark result file
 (``bench.prefix_cache`` or ``bench.replay``), with the exact command that produced it (rebuilt from the file's
-recorded config)."""
+recorded config); for any other benchmark's file, its recorded command and its figures."""
 
 from __future__ import annotations
 
@@ -38,6 +38,8 @@ def report(path: Path) -> str:
     data = json.loads(path.read_text())
     if "server" in data:
         return replay_report(data)
+    if "results" not in data:
+        return figures_report(path, data)
     config, env = data["config"], data.get("environment", {})
     where = f", on {env['gpu']}, vLLM {env.get('packages', {}).get('vllm')}" if env.get("gpu") else ""
     lines = [f"**{data['dataset']}, {len(data['question_ids'])} shuffled questions, concurrency "
@@ -79,6 +81,35 @@ def replay_report(data: dict) -> str:
              f"vLLM {server.get('vllm_version')}, block {server['block_size']}** — `{replay_command(data['config'])}`",
              "", "| " + " | ".join(REPLAY_COLUMNS) + " |", "| --- |" + " ---: |" * (len(REPLAY_COLUMNS) - 1)]
     return "\n".join(lines + [replay_row(r) for r in data["results"]])
+
+
+def figures_report(path: Path, data: dict) -> str:
+    """Another benchmark's file (ingest, live traffic, scale-out, ...): its command and every figure in it, one
+    row each (a list of more than a dozen rows shows as its length: the rows themselves are in the JSON)."""
+    command = data.get("command") or "command not recorded in this file: see bench/README.md"
+    lines = [f"**{path.name}** — `{command}`", "", "| figure | value |", "| --- | --- |"]
+    return "\n".join(lines + [f"| {key} | {cell(value)} |" for key, value in figures(data)])
+
+
+def cell(value: object, limit: int = 160) -> str:
+    """One table cell: a long or multi-line text (a tool's printed summary) shortened to one line."""
+    text = " ".join(str(value).split()).replace("|", "\\|")
+    return text if len(text) <= limit else text[:limit - 1] + "…"
+
+
+def figures(data: dict, prefix: str = "") -> list[tuple[str, object]]:
+    rows: list[tuple[str, object]] = []
+    for key, value in data.items():
+        name = prefix + str(key)
+        if name in ("command", "environment"):
+            continue
+        if isinstance(value, dict):
+            rows += figures(value, name + ".")
+        elif isinstance(value, list) and len(value) <= 12 and all(isinstance(item, dict) for item in value):
+            rows += figures({f"[{i}]": item for i, item in enumerate(value)}, name)
+        else:
+            rows.append((name, f"{len(value)} rows" if isinstance(value, list) else value))
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:

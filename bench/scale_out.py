@@ -19,7 +19,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.common import add_stream_args, environment, write_json
+from bench.common import add_stream_args, command_line, environment, write_json
 from bench.datasets import load_dataset, sample
 
 
@@ -51,7 +51,8 @@ def main(argv: list[str] | None = None) -> int:
                      router_metrics_port=free_port(), chroma_port=None, chroma_path=Path(tmp)) as cluster:
             chroma = args.chroma_path or Path(tmp) / "chroma"
             phases = asyncio.run(_run(args, dataset, stream, cluster, chroma))
-    payload = {"config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+    payload = {"command": command_line("bench.scale_out", argv),
+               "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
                "dataset": dataset.name, "environment": environment(), **phases}
     payload["summary"] = summary(phases)
     write_json(args.out, payload)

@@ -7,9 +7,8 @@ import json
 import pytest
 
 from bench.ceiling import BlockCacheCeiling
+from tests.conftest import ROOT
 from tests.corpora import tiny_squad
-
-pytestmark = pytest.mark.vllm
 
 
 def test_ceiling_counts_only_leading_blocks_seen_before():
@@ -24,6 +23,21 @@ def test_ceiling_counts_only_leading_blocks_seen_before():
     assert primed.add(list(range(10))) == 8 and primed.query_tokens == 10
 
 
+def test_every_committed_result_has_a_report_with_its_command():
+    """The README sends readers to ``python -m bench.report FILE.json`` for any result file."""
+    from bench.report import report
+
+    results = sorted((ROOT / "bench" / "results").rglob("*.json"))
+    assert len(results) > 50
+    for path in results:
+        text = report(path)
+        assert text.startswith("**") and "| --- |" in text, path
+    live = report(ROOT / "bench" / "results" / "live-traffic.json")
+    assert "`python -m bench.live_traffic --data ../shared/data/python-3.11-docs-html/files`" in live
+    assert "| load.statuses.429 | 2214 |" in live and "| during_warmup | 20 rows |" in live
+
+
+@pytest.mark.vllm
 def test_harness_end_to_end_on_a_tiny_slice(tmp_path, vllm_url):
     from bench.prefix_cache import main
 
