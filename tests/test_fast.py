@@ -5,6 +5,8 @@ also tested against a real vLLM CPU server (marked ``vllm``). Run this tier alon
 
 from __future__ import annotations
 
+import time
+
 import httpx
 import openai
 import pytest
@@ -16,7 +18,7 @@ from app.main import create_app
 from ingest.pipeline import run_ingest
 from tests.corpora import app_settings, floor_block, write_notes
 from tests.fakes import BLOCK, FakeVLLM
-from tests.servers import AppServer, browser_page, static_site
+from tests.servers import PROBE_TIMEOUT, AppServer, browser_page, static_site
 
 
 @pytest.fixture(scope="module")
@@ -59,6 +61,27 @@ def test_questions_about_two_documents_of_one_page_share_its_prefix_and_cite_the
         assert usage["cached_tokens"] >= floor_block(usage["prompt_tokens"] - 100, BLOCK) > 0
     prompts = [fake.prompts[-2][1]["content"], fake.prompts[-1][1]["content"]]
     assert all(f'id="{m}"' in p for m in members for p in prompts)  # the whole page, each document by its id
+
+
+def test_ready_only_once_the_search_indexes_are_loaded(notes, embedder, monkeypatch):
+    """A question right after /readyz says 200 finds BM25 and the pages loaded: it gets the hybrid ranking and its
+    page, the prompt every later question about that page gets (before, ready came while they still loaded)."""
+    loaded = pages.current
+
+    def slow_to_load(*args, **kwargs):  # a bigger corpus's load, in time only: the index itself is the real one
+        time.sleep(1.5)
+        return loaded(*args, **kwargs)
+
+    monkeypatch.setattr(pages, "current", slow_to_load)
+    server, _ = serve(notes, embedder)
+    with server:
+        reasons = set()
+        while (status := httpx.get(server.url + "/readyz", timeout=PROBE_TIMEOUT)).status_code != 200:
+            reasons.add(status.json()["reason"])
+            time.sleep(0.05)
+        retriever = server.app.state.service.retriever
+        assert retriever.page_index() is not None and retriever.lexical_index() is not None
+    assert "loading the search indexes" in reasons
 
 
 def test_the_same_set_twice_reuses_the_prompt_up_to_the_question(notes, embedder):

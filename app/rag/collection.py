@@ -47,8 +47,17 @@ class CollectionWatcher:
             await self._changed(now is not None)
         if now is not None:
             if changed or seen is _UNSEEN:
-                # Load the vector index and run the encoder once now: not ready until a question would not pay
-                # for either (the first one took 0.6 s against 0.1 s after).
-                await self.retriever.retrieve("prime the index", 1)
+                await self._prime()
             self.problem = None
         return now
+
+    async def _prime(self) -> None:
+        """Load the vector index and run the encoder once, then wait for the search indexes (BM25, pages): not
+        ready (at start-up, or when the collection appears) until a question would pay for none of them (the
+        first one took 0.6 s against 0.1 s after), nor find them still loading (it would get dense hits alone
+        and its document unpaged, a prompt unlike the next one's). A ready service stays ready through a reload
+        and answers meanwhile."""
+        if self.problem is not None:
+            self.problem = "loading the search indexes"
+        await self.retriever.retrieve("prime the index", 1)
+        await self.retriever.indexes_ready(self.retriever.indexes_in_use())

@@ -132,6 +132,10 @@ class Retriever:
         """The collection's pages (``app.core.pages``), loaded or rebuilt like the BM25 index."""
         return self._index("pages", lambda c: pages.current(c, self.chroma, self.paging, write=False), wait)
 
+    def indexes_in_use(self) -> tuple[str, ...]:
+        """The derived indexes answers need: pages always (units), BM25 unless retrieval is dense alone."""
+        return ("pages",) if self.retrieval.mode == "dense" else ("lexical", "pages")
+
     async def indexes_ready(self, kinds: tuple[str, ...] = ("lexical", "pages")) -> None:
         """Wait (without blocking the loop) until these derived indexes are loaded or built."""
         loaders = {"lexical": self.lexical_index, "pages": self.page_index}
