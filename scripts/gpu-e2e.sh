@@ -5,18 +5,11 @@
 # weights).
 #   bash scripts/gpu-e2e.sh DATASET...   (datasets under $DATA, results in $OUT or bench/results/gpu)
 # Needs vLLM installed from ../shared/gpu (/tmp/site) and the service's own dependencies the image lacks, installed
-# from the bundle `scripts/gpu-e2e-pack.sh` makes (EXTRA: the staged folder holding its parts).
+# from the bundle `scripts/gpu-e2e-pack.sh` makes (scripts/gpu-extra.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . /tmp/site/env.sh
-EXTRA=${EXTRA:-/var/tmp/stage-extra}
-DATA=${DATA:-/var/tmp/extra/data}
-if [[ ! -d /tmp/site2 ]]; then
-  (cd "$EXTRA" && cat $(ls xpack.part.* | sort) > xpack.tar && sha256sum -c xpack.sha \
-    && rm -rf /var/tmp/extra && mkdir -p /var/tmp/extra && tar xf xpack.tar -C /var/tmp/extra)
-  python3 -m pip install -q --no-index --no-deps --target /tmp/site2 /var/tmp/extra/wheels/*.whl
-fi
-export PYTHONPATH=/tmp/site2${PYTHONPATH:+:$PYTHONPATH}
+. scripts/gpu-extra.sh
 DEST=${OUT:-bench/results/gpu}
 CONCURRENCY=${CONCURRENCY:-4}
 TAG=${TAG:-h200-e2e}
