@@ -10,7 +10,7 @@ URL=http://127.0.0.1:$PORT
 
 up() { python3 -c "import urllib.request; urllib.request.urlopen('$URL/health', timeout=2)" 2>/dev/null; }
 
-if ! up && pgrep -f "app.vllm_server --model" > /dev/null; then  # started by an earlier call, still loading
+if ! up && pgrep -f "app.vllm_(server|entry) " > /dev/null; then  # started by an earlier call, still loading
   echo "[gpu-vllm] waiting for the vLLM already starting"
   for _ in $(seq 400); do up && break; sleep 1; done
 fi
