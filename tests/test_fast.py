@@ -84,6 +84,50 @@ def test_ready_only_once_the_search_indexes_are_loaded(notes, embedder, monkeypa
     assert "loading the search indexes" in reasons
 
 
+def test_a_question_answered_while_a_reload_loads_the_pages_is_not_remembered_unpaged(tmp_path, embedder,
+                                                                                       monkeypatch):
+    """After an ingest the service answers while it reloads its indexes; what it arranged meanwhile (a paged
+    document on its own) is used once, and the same question asked later gets its page."""
+    from app.llm import metric_total
+    from tests.conftest import run_cli
+
+    docs, chroma = tmp_path / "docs", tmp_path / "chroma"
+    texts = write_notes(docs)
+    settings = app_settings(chroma, "http://unused/v1", collection="reload", strategy="document", top_k=1,
+                            hotness_dir=None)
+    settings.pages.tokens, settings.chroma.poll_s = 512, 0.2
+    run_ingest([docs], settings, embedder)
+    members = next(m for m in pages.load(pages.path_of(settings.chroma)).pages.values() if len(m) >= 3)
+    loaded, fake = pages.current, FakeVLLM()
+
+    def slow_to_load(collection, cfg, paging, *, write):  # the service's load takes a big corpus's time
+        if not write:
+            time.sleep(3)
+        return loaded(collection, cfg, paging, write=write)
+
+    with AppServer(create_app(settings, embedder=embedder, llm=fake)) as server:
+        server.wait_ready()
+        monkeypatch.setattr(pages, "current", slow_to_load)
+        (docs / "extra.md").write_text("A lighthouse keeper's log, a new note.\n")
+        assert run_cli(str(docs), "--chroma-path", str(chroma), "--collection", "reload",
+                       env={"RAG_PAGES__TOKENS": "512"}).returncode == 0
+        while metric_total(httpx.get(server.url + "/metrics", timeout=PROBE_TIMEOUT).text,
+                           "prefixrag_collection_reloads_total") < 1:
+            time.sleep(0.1)
+        retriever = server.app.state.service.retriever
+        assert retriever.page_index() is None, "the pages are still loading"
+        question = "Asked twice: " + texts[members[0]][:300]  # re-warm prompts hold the text, not this
+        during = ask(server, question=question)
+        while retriever.page_index() is None:
+            time.sleep(0.1)
+        later = ask(server, question=question)
+    assert during.status_code == later.status_code == 200
+    prompts = [messages[-1]["content"] for messages in fake.prompts if "Asked twice: " in messages[-1]["content"]]
+    assert len(prompts) == 2
+    assert f'id="{members[-1]}"' not in prompts[0], "answered meanwhile with the document alone"
+    assert all(f'id="{m}"' in prompts[1] for m in members), "then with its whole page"
+
+
 def test_the_same_set_twice_reuses_the_prompt_up_to_the_question(notes, embedder):
     server, _ = serve(notes, embedder, top_k=3)  # canonical
     with server:

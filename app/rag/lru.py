@@ -15,14 +15,15 @@ class AsyncLRU(Generic[V]):
         self._items: OrderedDict[Hashable, V] = OrderedDict()
         self._epoch = 0
 
-    async def get(self, key: Hashable, load: Callable[[], Awaitable[V]]) -> V:
+    async def get(self, key: Hashable, load: Callable[[], Awaitable[V]], keep: Callable[[], bool] | None = None) -> V:
+        """The value kept for ``key``, else ``load()``'s, kept unless ``keep()`` says no once it is loaded."""
         if key in self._items:
             self._items.move_to_end(key)
             return self._items[key]
         epoch = self._epoch
         value = await load()
-        if epoch != self._epoch:  # cleared while loading: the value may predate the change, don't keep it
-            return value
+        if epoch != self._epoch or (keep is not None and not keep()):  # cleared while loading: it may predate
+            return value  # the change; or made without what it should have used: don't keep it
         self._items[key] = value
         if len(self._items) > self.size:
             self._items.popitem(last=False)

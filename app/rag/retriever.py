@@ -136,6 +136,11 @@ class Retriever:
         """The derived indexes answers need: pages always (units), BM25 unless retrieval is dense alone."""
         return ("pages",) if self.retrieval.mode == "dense" else ("lexical", "pages")
 
+    def indexes_loaded(self) -> bool:
+        """Are the derived indexes answers need loaded (False while a start or a reload still loads them)?"""
+        return all(kind in self._derived and self._derived[kind].done() and self._derived[kind].exception() is None
+                   for kind in self.indexes_in_use())
+
     async def indexes_ready(self, kinds: tuple[str, ...] = ("lexical", "pages")) -> None:
         """Wait (without blocking the loop) until these derived indexes are loaded or built."""
         loaders = {"lexical": self.lexical_index, "pages": self.page_index}

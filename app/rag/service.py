@@ -147,13 +147,17 @@ class RAGService:
         another app process) rebuilds it as a pure function of the hits."""
         key = (talk.questions[0], talk.top_k, talk.source_prefix, budget)
         forgotten = len(talk.questions) > 1  # a later turn reaches the planner only when turn 1 was forgotten
+        # Arranged while a reload still loads the pages (documents unpaged): used once, not remembered.
         return await self._first_contexts.get(key, lambda: self.planner.arrange(
-            ranked, budget, stable=forgotten, scoped=talk.source_prefix is not None))
+            ranked, budget, stable=forgotten, scoped=talk.source_prefix is not None),
+            keep=self.retriever.indexes_loaded)
 
     async def _retrieve_cached(self, question: str, top_k: int, source_prefix: str | None) -> list[ContextChunk]:
         # Earlier turns are re-retrieved on every request; an LRU keeps that to one Chroma query per new turn.
+        # A ranking made while a reload still loads BM25 (dense alone) is used once, not remembered.
         return await self._retrievals.get((question, top_k, source_prefix),
-                                          lambda: self.retriever.retrieve(question, top_k, source_prefix))
+                                          lambda: self.retriever.retrieve(question, top_k, source_prefix),
+                                          keep=self.retriever.indexes_loaded)
 
     async def _generate(self, messages: list[dict], plan: Plan, kept: list[ContextChunk], hits: list[ContextChunk],
                         talk: Conversation, clock: Clock, strategy: str, affinity: str,
