@@ -16,7 +16,7 @@ from app.core import pages
 from app.core.settings import Settings
 from app.main import create_app
 from ingest.pipeline import run_ingest
-from tests.corpora import app_settings, floor_block, write_notes
+from tests.corpora import app_settings, floor_block, paragraphs, write_notes
 from tests.fakes import BLOCK, FakeVLLM
 from tests.servers import PROBE_TIMEOUT, AppServer, browser_page, static_site
 
@@ -126,6 +126,31 @@ def test_a_question_answered_while_a_reload_loads_the_pages_is_not_remembered_un
     assert len(prompts) == 2
     assert f'id="{members[-1]}"' not in prompts[0], "answered meanwhile with the document alone"
     assert all(f'id="{m}"' in prompts[1] for m in members), "then with its whole page"
+
+
+def test_after_a_restart_pre_warm_warms_the_used_window_of_a_big_document_first(tmp_path, embedder):
+    """A document too big for one unit is cut into windows, and hotness counts the window a question used: after
+    a restart that window is warmed first (before, only each document's first window was ever warmed)."""
+    docs, chroma = tmp_path / "docs", tmp_path / "chroma"
+    docs.mkdir()
+    texts = paragraphs()
+    (docs / "manual.md").write_text("# Manual\n\n" + "\n\n".join(texts) + "\n")  # ~3K tokens: 3-4 windows
+    settings = app_settings(chroma, "http://unused/v1", collection="manual", strategy="document", top_k=1,
+                            hotness_dir=tmp_path / "hotness")
+    run_ingest([docs], settings, embedder)
+    with AppServer(create_app(settings, embedder=embedder, llm=FakeVLLM(max_model_len=2048))) as server:
+        server.wait_warmed(done=True)
+        used = ask(server, question=texts[-3][:200]).json()["sources"][0]["id"]
+    assert used.startswith("manual.md@") and not used.startswith("manual.md@0:"), used
+    fake = FakeVLLM(max_model_len=2048)
+    with AppServer(create_app(settings, embedder=embedder, llm=fake)) as server:
+        warmup = server.wait_warmed(done=True)["warmup"]
+    contents = [messages[-1]["content"] for messages in fake.prompts]
+    sent = {unit: next((n for n, c in enumerate(contents) if f'<document id="{unit}' in c), None)
+            for unit in (used, "manual.md@0:")}
+    assert sent[used] is not None, "the used window was warmed"
+    assert sent[used] < sent["manual.md@0:"], "before the document's first window"
+    assert warmup["units_warmed"] == warmup["units_planned"] == 2
 
 
 def test_the_same_set_twice_reuses_the_prompt_up_to_the_question(notes, embedder):

@@ -87,6 +87,20 @@ class UnitIndex:
         start = position // size * size  # aligned: every hit in this window maps to the same bytes
         return f"{hit.parent_id}@{start}:{size}", chunks[start:start + size]
 
+    async def window_start(self, key: str) -> ContextChunk | None:
+        """The first chunk of the window ``key`` names (``parent@start:size``, as ``unit_for`` made it), or None
+        when its parent no longer has that many chunks."""
+        parent_id, span = key.rsplit("@", 1)
+        chunks = await self.parent(parent_id)
+        start = int(span.split(":")[0])
+        return chunks[start] if start < len(chunks) else None
+
+
+def window_parent(key: str) -> str | None:
+    """The parent id of a window's unit key (``parent@start:size``); None for a whole document or a page."""
+    parent_id, at, span = key.rpartition("@")
+    return parent_id if at and span.replace(":", "").isdigit() and span.count(":") == 1 else None
+
 
 def as_unit(chunks: list[ContextChunk], rank: int, hits: dict[str, ContextChunk]) -> list[ContextChunk]:
     """The unit's chunks, all carrying the unit's rank; the retrieved ones are flagged with their score.
@@ -130,6 +144,10 @@ class Hotness:
 
     def score(self, key: str) -> float:
         return self.scores.get(key, 0.0)
+
+    def keys(self) -> list[str]:
+        with self._lock:
+            return list(self.scores)
 
     def save(self) -> None:
         """Write the hottest 10K scores now, on the caller's thread (``close`` at shutdown; ``use`` sends it to

@@ -19,6 +19,7 @@ from app.rag.affinity import affinity_key
 from app.rag.context import ContextChunk
 from app.rag.planner import ContextPlanner
 from app.rag.traffic import LiveTraffic
+from app.rag.units import window_parent
 from app.rag.upstream import Upstream, UpstreamInfo
 
 log = logging.getLogger("prefixrag.warmup")
@@ -53,6 +54,7 @@ class Warmer:
         self._kick = asyncio.Event()
         self._run: asyncio.Task | None = None
         self._started = 0.0
+        self._warmed_units: set[str] = set()  # unit keys this warm-up sent (a used window may be a first one)
 
     def restart(self) -> None:
         """Warm again from the start (the collection changed); the run in progress, if any, is dropped."""
@@ -85,6 +87,7 @@ class Warmer:
     async def warm(self, info: UpstreamInfo) -> WarmupProgress:
         """One whole warm-up: the stable prefix, the corpus decision, then the corpus or the hottest units."""
         self.progress, self.warmed_prompts, self._started = WarmupProgress(state="warming"), [], time.monotonic()
+        self._warmed_units = set()
         with self.traffic.background():
             await self._warm_all(info)
         self.progress.seconds = round(time.monotonic() - self._started, 3)
@@ -124,7 +127,9 @@ class Warmer:
             await self._warm_units()
 
     async def _warm_units(self) -> None:
-        """Hottest units first (persisted use; before any traffic: biggest first). A page is one unit."""
+        """Hottest units first (persisted use; before any traffic: biggest first). A page is one unit; a parent
+        cut into windows is planned as its first window and as each of its windows that was used (hotness
+        counts windows, never their parent)."""
         await self.planner.retriever.indexes_ready(("pages",))  # which parents are paged (BM25 is not needed)
         metas = await self.planner.retriever.chunks_where(None, texts=False)  # which parents, how big
         units = self.planner.units
@@ -135,30 +140,37 @@ class Warmer:
             sizes[key] += 1
             first.setdefault(key, chunk)
         hotness = self.planner.hotness
-        order = sorted(sizes, key=lambda key: (-hotness.score(key), -sizes[key], key))
+        parents = {chunk.parent_id for chunk in first.values()} - {""}
+        windows = {key for key in hotness.keys() if window_parent(key) in parents}
+        order = sorted([*sizes, *windows], key=lambda key: (-hotness.score(key), -sizes[key], key))
         self.progress.units_planned = len(order)
         queue = iter(order)
 
+        async def unit(key: str) -> tuple[str, list[ContextChunk]]:
+            hit = await units.window_start(key) if key in windows else first[key]
+            return await units.unit_for(hit) if hit is not None else (key, [])
+
         async def worker() -> None:
             for key in queue:  # shared iterator: each unit is taken by one worker
-                if not await self._warm_unit(lambda: self._unit_chunks(first[key])):  # noqa: B023  (awaited now)
+                if not await self._warm_unit(lambda: unit(key)):  # noqa: B023  (awaited now)
                     return
 
         await asyncio.gather(*(worker() for _ in range(self.settings.warm_concurrency)))
 
-    async def _corpus_chunks(self) -> list[ContextChunk]:
-        return self.planner.corpus.chunks or []
+    async def _corpus_chunks(self) -> tuple[str, list[ContextChunk]]:
+        return "corpus", self.planner.corpus.chunks or []
 
-    async def _unit_chunks(self, hit: ContextChunk) -> list[ContextChunk]:
-        return (await self.planner.units.unit_for(hit))[1]
-
-    async def _warm_unit(self, chunks_of: Callable[[], Awaitable[list[ContextChunk]]]) -> bool:
+    async def _warm_unit(self, unit_of: Callable[[], Awaitable[tuple[str, list[ContextChunk]]]]) -> bool:
         """Warm one unit unless a bound is reached (then record why and return False)."""
         if self.progress.tokens >= self.progress.token_budget:
             return self._stopped(f"token budget ({self.progress.token_budget})")
         if time.monotonic() - self._started >= self.settings.warm_max_s:
             return self._stopped(f"time budget ({self.settings.warm_max_s:g} s)")
-        chunks = await chunks_of()
+        key, chunks = await unit_of()
+        if not chunks or key in self._warmed_units:  # a used window that is its parent's first, or gone since
+            self.progress.units_planned -= 1
+            return True
+        self._warmed_units.add(key)
         for end in self._piece_ends(chunks):
             await self._send(self.builder.messages(chunks[:end], ""), chunks[:end], whole=end == len(chunks))
         self.progress.units_warmed += 1
