@@ -101,8 +101,8 @@ def test_a_question_answered_while_a_reload_loads_the_pages_is_not_remembered_un
     loaded, fake = pages.current, FakeVLLM()
 
     def slow_to_load(collection, cfg, paging, *, write):  # the service's load takes a big corpus's time
-        if not write:
-            time.sleep(3)
+        if not write:  # longer than an ingest takes from its first stamp to its exit: both reloads see it
+            time.sleep(6)
         return loaded(collection, cfg, paging, write=write)
 
     with AppServer(create_app(settings, embedder=embedder, llm=fake)) as server:

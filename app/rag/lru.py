@@ -22,8 +22,9 @@ class AsyncLRU(Generic[V]):
             return self._items[key]
         epoch = self._epoch
         value = await load()
-        if epoch != self._epoch or (keep is not None and not keep()):  # cleared while loading: it may predate
-            return value  # the change; or made without what it should have used: don't keep it
+        # Not kept when cleared while loading (the value may predate the change) or when ``keep`` says no.
+        if epoch != self._epoch or (keep is not None and not keep()):
+            return value
         self._items[key] = value
         if len(self._items) > self.size:
             self._items.popitem(last=False)
