@@ -88,18 +88,19 @@ class UnitIndex:
         return f"{hit.parent_id}@{start}:{size}", chunks[start:start + size]
 
     async def window_start(self, key: str) -> ContextChunk | None:
-        """The first chunk of the window ``key`` names (``parent@start:size``, as ``unit_for`` made it), or None
-        when its parent no longer has that many chunks."""
-        parent_id, span = key.rsplit("@", 1)
+        """The first chunk of the window ``key`` names (``window_of``), or None when its parent no longer has
+        that many chunks."""
+        parent_id, start = window_of(key) or ("", 0)
         chunks = await self.parent(parent_id)
-        start = int(span.split(":")[0])
         return chunks[start] if start < len(chunks) else None
 
 
-def window_parent(key: str) -> str | None:
-    """The parent id of a window's unit key (``parent@start:size``); None for a whole document or a page."""
+def window_of(key: str) -> tuple[str, int] | None:
+    """(parent id, first chunk) of a window's unit key (``parent@start:size``, as ``_locate`` makes it); None for
+    a whole document or a page."""
     parent_id, at, span = key.rpartition("@")
-    return parent_id if at and span.replace(":", "").isdigit() and span.count(":") == 1 else None
+    start, colon, size = span.partition(":")
+    return (parent_id, int(start)) if at and colon and start.isdigit() and size.isdigit() else None
 
 
 def as_unit(chunks: list[ContextChunk], rank: int, hits: dict[str, ContextChunk]) -> list[ContextChunk]:

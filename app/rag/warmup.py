@@ -19,7 +19,7 @@ from app.rag.affinity import affinity_key
 from app.rag.context import ContextChunk
 from app.rag.planner import ContextPlanner
 from app.rag.traffic import LiveTraffic
-from app.rag.units import window_parent
+from app.rag.units import window_of
 from app.rag.upstream import Upstream, UpstreamInfo
 
 log = logging.getLogger("prefixrag.warmup")
@@ -141,7 +141,7 @@ class Warmer:
             first.setdefault(key, chunk)
         hotness = self.planner.hotness
         parents = {chunk.parent_id for chunk in first.values()} - {""}
-        windows = {key for key in hotness.keys() if window_parent(key) in parents}
+        windows = {key for key in hotness.keys() if (window_of(key) or ("",))[0] in parents}
         order = sorted([*sizes, *windows], key=lambda key: (-hotness.score(key), -sizes[key], key))
         self.progress.units_planned = len(order)
         queue = iter(order)
