@@ -5,6 +5,7 @@ also tested against a real vLLM CPU server (marked ``vllm``). Run this tier alon
 
 from __future__ import annotations
 
+import re
 import time
 
 import httpx
@@ -128,9 +129,10 @@ def test_a_question_answered_while_a_reload_loads_the_pages_is_not_remembered_un
     assert all(f'id="{m}"' in prompts[1] for m in members), "then with its whole page"
 
 
-def test_after_a_restart_pre_warm_warms_the_used_window_of_a_big_document_first(tmp_path, embedder):
-    """A document too big for one unit is cut into windows, and hotness counts the window a question used: after
-    a restart that window is warmed first (before, only each document's first window was ever warmed)."""
+def test_pre_warm_warms_every_window_of_a_big_document_the_used_one_first_after_a_restart(tmp_path, embedder):
+    """A document too big for one unit is cut into windows. Pre-warm warms all of them, first windows first (a
+    question about any part finds it cached; before, only each document's first window was warmed), and hotness
+    counts the window a question used: after a restart that window is warmed first."""
     docs, chroma = tmp_path / "docs", tmp_path / "chroma"
     docs.mkdir()
     texts = paragraphs()
@@ -138,19 +140,28 @@ def test_after_a_restart_pre_warm_warms_the_used_window_of_a_big_document_first(
     settings = app_settings(chroma, "http://unused/v1", collection="manual", strategy="document", top_k=1,
                             hotness_dir=tmp_path / "hotness")
     run_ingest([docs], settings, embedder)
-    with AppServer(create_app(settings, embedder=embedder, llm=FakeVLLM(max_model_len=2048))) as server:
-        server.wait_warmed(done=True)
-        used = ask(server, question=texts[-3][:200]).json()["sources"][0]["id"]
+    runs = []
+    for _ in range(2):
+        fake = FakeVLLM(max_model_len=2048)
+        with AppServer(create_app(settings, embedder=embedder, llm=fake)) as server:
+            warmup = server.wait_warmed(done=True)["warmup"]
+            answer = ask(server, question=texts[-3][:200]).json()
+        runs.append((warmup, [windows_in(messages[-1]["content"]) for messages in fake.prompts], answer))
+    (first_run, sent, answer), (second_run, resent, _) = runs
+    used = answer["sources"][0]["id"]
     assert used.startswith("manual.md@") and not used.startswith("manual.md@0:"), used
-    fake = FakeVLLM(max_model_len=2048)
-    with AppServer(create_app(settings, embedder=embedder, llm=fake)) as server:
-        warmup = server.wait_warmed(done=True)["warmup"]
-    contents = [messages[-1]["content"] for messages in fake.prompts]
-    sent = {unit: next((n for n, c in enumerate(contents) if f'<document id="{unit}' in c), None)
-            for unit in (used, "manual.md@0:")}
-    assert sent[used] is not None, "the used window was warmed"
-    assert sent[used] < sent["manual.md@0:"], "before the document's first window"
-    assert warmup["units_warmed"] == warmup["units_planned"] == 2
+    every = sorted({w for found in sent for w in found}, key=lambda key: int(key.split("@")[1].split(":")[0]))
+    assert len(every) >= 3 and every[0].startswith("manual.md@0:") and used in every
+    assert first_run["units_warmed"] == first_run["units_planned"] == len(every)
+    assert answer["usage"]["cached_tokens"] >= floor_block(answer["usage"]["prompt_tokens"] - 80, BLOCK)
+    order = [next(n for n, found in enumerate(resent) if unit in found) for unit in (used, every[0])]
+    assert order[0] < order[1], "after a restart the used window goes before the document's first window"
+    assert second_run["units_warmed"] == second_run["units_planned"] == len(every)
+
+
+def windows_in(prompt: str) -> set[str]:
+    """The window units a prompt holds (their ``<document id="...">`` headers)."""
+    return set(re.findall(r'<document id="(manual\.md@\d+:\d+)"', prompt))
 
 
 def test_the_same_set_twice_reuses_the_prompt_up_to_the_question(notes, embedder):

@@ -295,6 +295,23 @@ def test_pre_warm_sends_a_unit_in_pieces_so_no_warm_up_step_is_long(books, vllm_
     assert max(prefilled) < 1024  # a whole unit is ~2.7K tokens
 
 
+def test_pre_warm_caches_every_window_of_a_big_document_not_only_its_first(books, vllm_url, embedder):
+    """Each ~2.7K-token book is cut into two windows (the 4K window leaves ~1.9K per unit): a question about a
+    book's end, asked once pre-warm is done, finds its window in vLLM's cache (before, only first windows were)."""
+    chroma, _ = books
+    reset_prefix_cache(vllm_url)
+    settings = app_settings(chroma, vllm_url, collection="books", strategy="document", top_k=1, hotness_dir=None)
+    with AppServer(create_app(settings, embedder=embedder)) as server:
+        done = server.wait_warmed(done=True, timeout=300)["warmup"]
+        ending = " ".join((chroma.parent / "book-07.md").read_text().split()[-40:])
+        answer = httpx.post(server.url + "/ask", json={"question": ending, "max_tokens": 4}, timeout=120).json()
+    assert done["units_warmed"] == done["units_planned"] == 48, done  # 24 books, two windows each
+    source = answer["sources"][0]["id"]
+    assert source.startswith("book-07.md@") and not source.startswith("book-07.md@0:"), source
+    usage = answer["usage"]  # all but the question and the prompt's end was cached by pre-warm
+    assert usage["cached_tokens"] >= usage["prompt_tokens"] - 256, usage
+
+
 async def test_background_store_reads_wait_while_a_user_request_is_present(collections, embedder):
     from concurrent.futures import ThreadPoolExecutor
 

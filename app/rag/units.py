@@ -12,6 +12,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
+from typing import NamedTuple
 
 from app.core.pages import CHARS_PER_TOKEN
 from app.rag.context import ContextChunk
@@ -85,22 +86,38 @@ class UnitIndex:
         size = max(1, self.max_unit_tokens // per_chunk)
         position = next((i for i, c in enumerate(chunks) if c.id == hit.id), 0)
         start = position // size * size  # aligned: every hit in this window maps to the same bytes
-        return f"{hit.parent_id}@{start}:{size}", chunks[start:start + size]
+        return Window(hit.parent, start, size).key, chunks[start:start + size]
 
     async def window_start(self, key: str) -> ContextChunk | None:
         """The first chunk of the window ``key`` names (``window_of``), or None when its parent no longer has
         that many chunks."""
-        parent_id, start = window_of(key) or ("", 0)
+        window = window_of(key) or Window("", 0, 1)
+        chunks = await self.parent(window.parent_id)
+        return chunks[window.start] if window.start < len(chunks) else None
+
+    async def windows(self, parent_id: str, size: int) -> list[str]:
+        """The unit keys of every window of a parent cut into windows of ``size`` chunks, in order."""
         chunks = await self.parent(parent_id)
-        return chunks[start] if start < len(chunks) else None
+        return [Window(parent_id, start, size).key for start in range(0, len(chunks), size)]
 
 
-def window_of(key: str) -> tuple[str, int] | None:
-    """(parent id, first chunk) of a window's unit key (``parent@start:size``, as ``_locate`` makes it); None for
-    a whole document or a page."""
+class Window(NamedTuple):
+    """A window of a parent too big for one unit: ``size`` chunks from ``start``."""
+    parent_id: str
+    start: int
+    size: int
+
+    @property
+    def key(self) -> str:
+        """Its unit key, ``parent@start:size``: what hotness counts and a citation names."""
+        return f"{self.parent_id}@{self.start}:{self.size}"
+
+
+def window_of(key: str) -> Window | None:
+    """The window a unit key names (``Window.key``); None for a whole document or a page."""
     parent_id, at, span = key.rpartition("@")
     start, colon, size = span.partition(":")
-    return (parent_id, int(start)) if at and colon and start.isdigit() and size.isdigit() else None
+    return Window(parent_id, int(start), int(size)) if at and colon and start.isdigit() and size.isdigit() else None
 
 
 def as_unit(chunks: list[ContextChunk], rank: int, hits: dict[str, ContextChunk]) -> list[ContextChunk]:

@@ -129,7 +129,8 @@ class Warmer:
     async def _warm_units(self) -> None:
         """Hottest units first (persisted use; before any traffic: biggest first). A page is one unit; a parent
         cut into windows is planned as its first window and as each of its windows that was used (hotness
-        counts windows, never their parent)."""
+        counts windows, never their parent). Then, while the bounds allow, every other window of those parents
+        in the same order, so a question about any part of a big document finds it cached."""
         await self.planner.retriever.indexes_ready(("pages",))  # which parents are paged (BM25 is not needed)
         metas = await self.planner.retriever.chunks_where(None, texts=False)  # which parents, how big
         units = self.planner.units
@@ -140,22 +141,40 @@ class Warmer:
             sizes[key] += 1
             first.setdefault(key, chunk)
         hotness = self.planner.hotness
-        parents = {chunk.parent_id for chunk in first.values()} - {""}
-        windows = {key for key in hotness.keys() if (window_of(key) or ("",))[0] in parents}
-        order = sorted([*sizes, *windows], key=lambda key: (-hotness.score(key), -sizes[key], key))
+        parents = {chunk.parent for chunk in first.values()}
+        used = {key for key in hotness.keys() if (window := window_of(key)) and window.parent_id in parents}
+        order = sorted([*sizes, *used], key=lambda key: (-hotness.score(key), -sizes[key], key))
         self.progress.units_planned = len(order)
-        queue = iter(order)
+        window_size: dict[str, int] = {}  # parent id -> its windows' size, for each parent found cut into windows
 
         async def unit(key: str) -> tuple[str, list[ContextChunk]]:
-            hit = await units.window_start(key) if key in windows else first[key]
-            return await units.unit_for(hit) if hit is not None else (key, [])
+            hit = await units.window_start(key) if window_of(key) else first[key]
+            if hit is None:
+                return key, []
+            unit_key, chunks = await units.unit_for(hit)
+            if window := window_of(unit_key):
+                window_size[window.parent_id] = window.size
+            return unit_key, chunks
 
-        async def worker() -> None:
+        if not await self._warm_each(order, unit):
+            return
+        rest = [key for parent in order if parent in window_size
+                for key in await units.windows(parent, window_size[parent]) if key not in self._warmed_units]
+        self.progress.units_planned += len(rest)
+        await self._warm_each(rest, unit)
+
+    async def _warm_each(self, keys: list[str],
+                         unit: Callable[[str], Awaitable[tuple[str, list[ContextChunk]]]]) -> bool:
+        """Warm the units ``keys`` name, in order, ``warm_concurrency`` at a time; False once a bound stopped it."""
+        queue = iter(keys)
+
+        async def worker() -> bool:
             for key in queue:  # shared iterator: each unit is taken by one worker
                 if not await self._warm_unit(lambda: unit(key)):  # noqa: B023  (awaited now)
-                    return
+                    return False
+            return True
 
-        await asyncio.gather(*(worker() for _ in range(self.settings.warm_concurrency)))
+        return all(await asyncio.gather(*(worker() for _ in range(self.settings.warm_concurrency))))
 
     async def _corpus_chunks(self) -> tuple[str, list[ContextChunk]]:
         return "corpus", self.planner.corpus.chunks or []
