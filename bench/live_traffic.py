@@ -4,7 +4,9 @@ default settings) on a corpus of thousands of chunks, against one CPU test-model
 1. **During pre-warm**: from the moment ``/readyz`` says 200, one question every ``--gap-s`` (streamed /ask,
    client TTFT) while pre-warm runs; then, once pre-warm is done, the same questions again.
    Target: the first question's TTFT <= 2x its TTFT after pre-warm. For scale, the same questions are asked a
-   third time on an idle server whose prefix cache was just reset (cold; needs vLLM's dev mode).
+   third time on an idle server whose prefix cache was just reset (cold; needs vLLM's dev mode). Before that,
+   as many questions never asked before (other headings), on the warm server: the share of their prompts that
+   pre-warm had cached is what it bought a new user.
 2. **Overload**: one client for ``--single-s``, then ``--clients`` closed-loop clients for ``--load-s`` (a
    refused client waits its Retry-After). Targets: only 200 and 429; p99 latency of admitted requests <= 3x the
    single client's p50; ``/healthz`` p99 <= 50 ms; app RSS growth <= 10 %.
@@ -70,15 +72,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     collection = "live-" + args.data.resolve().parent.name[:40]
-    questions = prepare_corpus(args, collection)
+    questions, fresh = prepare_corpus(args, collection)
     with tempfile.TemporaryDirectory(prefix="bench-live-") as tmp:
         if args.vllm_url:
-            result = run_with_app(args, args.vllm_url, collection, questions, Path(tmp))
+            result = run_with_app(args, args.vllm_url, collection, (questions, fresh), Path(tmp))
         else:
             from app.vllm_process import LocalVLLM
 
             with LocalVLLM(Path(tmp) / "vllm.log", max_model_len=8192) as url:
-                result = run_with_app(args, url, collection, questions, Path(tmp))
+                result = run_with_app(args, url, collection, (questions, fresh), Path(tmp))
     result |= {"command": command_line("bench.live_traffic", argv), "environment": environment()}
     write_json(args.out, result)
     from bench.stats import plot_live_traffic
@@ -88,8 +90,9 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def prepare_corpus(args: argparse.Namespace, collection: str) -> list[str]:
-    """Ingest (idempotent: a re-run only checks) and draw questions from the stored headings."""
+def prepare_corpus(args: argparse.Namespace, collection: str) -> tuple[list[str], list[str]]:
+    """Ingest (idempotent: a re-run only checks) and draw questions from the stored headings: those asked during
+    pre-warm (and again after), and as many others, asked only once pre-warm is done."""
     from app.core.embedder import Embedder
     from app.core.records import ChunkRecord
     from app.core.settings import Settings
@@ -104,10 +107,12 @@ def prepare_corpus(args: argparse.Namespace, collection: str) -> list[str]:
     print(f"corpus: {len(metas)} chunks ({report.chunks_written} written now)", flush=True)
     records = [ChunkRecord.from_metadata(meta) for meta in metas]
     headings = sorted({(r.headings or r.title).split(" > ")[-1].strip() for r in records} - {""})
-    return [f"What is {h}?" for h in random.Random(42).sample(headings, args.questions)]
+    asked = random.Random(42).sample(headings, args.questions)  # the same draw as before fresh ones were added
+    fresh = random.Random(43).sample(sorted(set(headings) - set(asked)), args.questions)
+    return [f"What is {h}?" for h in asked], [f"What is {h}?" for h in fresh]
 
 
-def run_with_app(args, vllm_url: str, collection: str, questions: list[str], tmp: Path) -> dict:
+def run_with_app(args, vllm_url: str, collection: str, questions: tuple[list[str], list[str]], tmp: Path) -> dict:
     from app.vllm_process import free_port
 
     port = free_port()
@@ -126,12 +131,15 @@ def run_with_app(args, vllm_url: str, collection: str, questions: list[str], tmp
                 shutil.copyfile(tmp / "app.log", args.app_log)
 
 
-async def phases(args, url: str, vllm_url: str, pid: int, questions: list[str], started: float) -> dict:
+async def phases(args, url: str, vllm_url: str, pid: int, drawn: tuple[list[str], list[str]],
+                 started: float) -> dict:
+    questions, fresh_questions = drawn
     async with httpx.AsyncClient(base_url=url, timeout=300, limits=httpx.Limits(max_connections=256)) as client:
         ready_s = await until(lambda: _status(client, "/readyz", 200), started)
         during = [await timed_question(client, q, started, args.gap_s) for q in questions]
         warm_done_s = await until(lambda: _warm_done(client), started, timeout=1800)
         after = [await timed_question(client, q, started, args.gap_s) for q in questions]
+        fresh = [await timed_question(client, q, started, args.gap_s) for q in fresh_questions]
         cold = await cold_questions(client, vllm_url, questions, started, args.gap_s)
         single = await load(client, questions, 1, args.single_s)
         rss_before, pauses_before = rss_kib(pid), await app_pauses(client)
@@ -143,7 +151,9 @@ async def phases(args, url: str, vllm_url: str, pid: int, questions: list[str], 
     single_p50 = percentile([r["ms"] for r in single["requests"] if r["status"] == 200], 50)
     return {
         "ready_s": round(ready_s, 1), "warmup_done_s": round(warm_done_s, 1), "warmup": readiness["warmup"],
-        "during_warmup": during, "after_warmup": after, "cold_idle": cold,
+        "during_warmup": during, "after_warmup": after, "fresh_after_warmup": fresh, "cold_idle": cold,
+        "cached_share": {"during_warmup": cached_share(during), "fresh_after_warmup": cached_share(fresh)},
+        "fresh_median_ttft_ms": percentile([r["ttft_ms"] for r in fresh], 50),
         "first_ttft_ratio": round(ratios[0], 2), "median_ttft_ratio": round(percentile(ratios, 50), 2),
         "asked_while_warming": sum(d["warming"] for d in during),
         "single": single | {"p50_ms": single_p50},
@@ -173,6 +183,12 @@ async def timed_question(client: httpx.AsyncClient, question: str, started: floa
     return {"question": question, "t_s": round(sent - started, 2), "status": response.status_code,
             "ttft_ms": round(((first or time.monotonic()) - sent) * 1000, 1), "warming": warming,
             "server_ms": done.get("timings_ms"), "usage": done.get("usage")}
+
+
+def cached_share(rows: list[dict]) -> float:
+    """The share of these answers' prompt tokens that vLLM found cached."""
+    usages = [r["usage"] for r in rows if r["usage"]]
+    return round(sum(u["cached_tokens"] for u in usages) / max(1, sum(u["prompt_tokens"] for u in usages)), 3)
 
 
 async def cold_questions(client: httpx.AsyncClient, vllm_url: str, questions: list[str], started: float,
@@ -299,6 +315,8 @@ def summary_line(r: dict) -> str:
             f"first question TTFT {r['during_warmup'][0]['ttft_ms']} ms during pre-warm vs "
             f"{r['after_warmup'][0]['ttft_ms']} ms after (x{r['first_ttft_ratio']}, median x{r['median_ttft_ratio']}), "
             f"{r['cold_idle'][0]['ttft_ms'] if r['cold_idle'] else '-'} ms cold on an idle server; "
+            f"questions never asked before, after pre-warm: {100 * r['cached_share']['fresh_after_warmup']:.0f} % "
+            f"of their prompts cached, TTFT p50 {r['fresh_median_ttft_ms']} ms; "
             f"{load['clients']} clients: {load['statuses']}, p99 {load['p99_ms']} ms = x{load['p99_over_single_p50']} "
             f"single p50 {r['single']['p50_ms']} ms; /healthz p99 {load['healthz_p99_ms']} ms; "
             f"RSS +{100 * r['rss_growth']:.1f} %")

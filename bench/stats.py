@@ -128,6 +128,7 @@ def plot_live_traffic(result: dict, path: Path) -> None:
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     for rows, label in ((result["during_warmup"], "during pre-warm"), (result["after_warmup"], "after pre-warm"),
+                        (result.get("fresh_after_warmup", []), "never asked before, after pre-warm"),
                         (result["cold_idle"], "idle, cache reset")):
         left.plot([r["t_s"] for r in rows], [r["ttft_ms"] for r in rows], "o", label=label)
     left.axvline(result["ready_s"], color="grey", linestyle=":", label="/readyz 200")
