@@ -1,7 +1,9 @@
 """The fast tier: the service's own logic end to end -- HTTP, retrieval over a real on-disk Chroma with the real
 embedder, strategies and pages, pre-warm, the token budget, citations -- against the fake vLLM of
-``tests/fakes.py``, put in at the one seam (``create_app(llm=)``). Seconds, no vLLM; every behaviour here is
-also tested against a real vLLM CPU server (marked ``vllm``). Run this tier alone: ``pytest -m "not vllm"``."""
+``tests/fakes.py``, put in at the one seam (``create_app(llm=)``). Seconds, no vLLM. Every behaviour here that
+depends on what vLLM does (caching, pre-warm, the token budget, chat) is also tested against a real vLLM CPU server
+(marked ``vllm``); the two about the search indexes loading (readiness, a reload) involve no vLLM and are tested
+here only. Run this tier alone: ``pytest -m "not vllm"``."""
 
 from __future__ import annotations
 

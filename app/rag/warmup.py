@@ -148,7 +148,7 @@ class Warmer:
         window_size: dict[str, int] = {}  # parent id -> its windows' size, for each parent found cut into windows
 
         async def unit(key: str) -> tuple[str, list[ContextChunk]]:
-            hit = await units.window_start(key) if window_of(key) else first[key]
+            hit = first[key] if key in first else await units.window_start(key)  # else a window
             if hit is None:
                 return key, []
             unit_key, chunks = await units.unit_for(hit)
