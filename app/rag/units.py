@@ -95,11 +95,6 @@ class UnitIndex:
         chunks = await self.parent(window.parent_id)
         return chunks[window.start] if window.start < len(chunks) else None
 
-    async def windows(self, parent_id: str, size: int) -> list[str]:
-        """The unit keys of every window of a parent cut into windows of ``size`` chunks, in order."""
-        chunks = await self.parent(parent_id)
-        return [Window(parent_id, start, size).key for start in range(0, len(chunks), size)]
-
 
 class Window(NamedTuple):
     """A window of a parent too big for one unit: ``size`` chunks from ``start``."""

@@ -19,7 +19,7 @@ from app.rag.affinity import affinity_key
 from app.rag.context import ContextChunk
 from app.rag.planner import ContextPlanner
 from app.rag.traffic import LiveTraffic
-from app.rag.units import window_of
+from app.rag.units import Window, window_of
 from app.rag.upstream import Upstream, UpstreamInfo
 
 log = logging.getLogger("prefixrag.warmup")
@@ -158,8 +158,9 @@ class Warmer:
 
         if not await self._warm_each(order, unit):
             return
-        rest = [key for parent in order if parent in window_size
-                for key in await units.windows(parent, window_size[parent]) if key not in self._warmed_units]
+        rest = [key for parent in order if parent in window_size  # from the scan's counts: nothing read again
+                for start in range(0, sizes[parent], window_size[parent])
+                if (key := Window(parent, start, window_size[parent]).key) not in self._warmed_units]
         self.progress.units_planned += len(rest)
         await self._warm_each(rest, unit)
 
