@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import functools
 import gc
 import logging
 import time
@@ -22,11 +23,11 @@ log = logging.getLogger("prefixrag.runtime")
 _PAUSE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 
 
+@functools.cache  # once per process: a second app in it (the tests) finds its start-up objects frozen already
 def freeze_start_up() -> None:
-    """Collect once (start-up garbage must not be frozen), then freeze everything alive; once per process (a
-    second app in it, as in the tests, finds its start-up objects frozen already)."""
-    if gc.get_freeze_count():
-        return
+    """Collect once (start-up garbage must not be frozen), then freeze everything alive. Whether anything was
+    frozen before is no sign that this ran: a library may freeze a few objects at import (on the GPU machine the
+    app's log lacks the line below, i.e. it found a non-zero count and skipped, and full collections took ~360 ms)."""
     started = time.perf_counter()
     gc.collect()
     gc.freeze()
