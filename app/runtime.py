@@ -26,8 +26,8 @@ _PAUSE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 @functools.cache  # once per process: a second app in it (the tests) finds its start-up objects frozen already
 def freeze_start_up() -> None:
     """Collect once (start-up garbage must not be frozen), then freeze everything alive. Whether anything was
-    frozen before is no sign that this ran: a library may freeze a few objects at import (on the GPU machine the
-    app's log lacks the line below, i.e. it found a non-zero count and skipped, and full collections took ~360 ms)."""
+    frozen before is no sign that this ran: the GPU machine's Python starts with 375 objects frozen, the app took
+    them for its own freeze and skipped it, and its full collections took ~360 ms."""
     started = time.perf_counter()
     gc.collect()
     gc.freeze()
