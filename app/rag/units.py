@@ -89,9 +89,10 @@ class UnitIndex:
         return Window(hit.parent, start, size).key, chunks[start:start + size]
 
     async def window_start(self, key: str) -> ContextChunk | None:
-        """The first chunk of the window ``key`` names (``window_of``), or None when its parent no longer has
-        that many chunks."""
-        window = window_of(key) or Window("", 0, 1)
+        """The first chunk of the window ``key`` names (``window_of``), or None when ``key`` names no window or
+        its parent no longer has that many chunks."""
+        if (window := window_of(key)) is None:
+            return None
         chunks = await self.parent(window.parent_id)
         return chunks[window.start] if window.start < len(chunks) else None
 
