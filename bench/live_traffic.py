@@ -112,7 +112,7 @@ def prepare_corpus(args: argparse.Namespace, collection: str) -> tuple[list[str]
     return [f"What is {h}?" for h in asked], [f"What is {h}?" for h in fresh]
 
 
-def run_with_app(args, vllm_url: str, collection: str, questions: tuple[list[str], list[str]], tmp: Path) -> dict:
+def run_with_app(args, vllm_url: str, collection: str, drawn: tuple[list[str], list[str]], tmp: Path) -> dict:
     from app.vllm_process import free_port
 
     port = free_port()
@@ -123,7 +123,7 @@ def run_with_app(args, vllm_url: str, collection: str, questions: tuple[list[str
         app = subprocess.Popen([sys.executable, "-m", "app"], env=env, stdout=log, stderr=subprocess.STDOUT)
         _renice(5)
         try:
-            return asyncio.run(phases(args, f"http://127.0.0.1:{port}", vllm_url, app.pid, questions, started))
+            return asyncio.run(phases(args, f"http://127.0.0.1:{port}", vllm_url, app.pid, drawn, started))
         finally:
             app.terminate()
             app.wait(60)
