@@ -71,6 +71,33 @@ def test_questions_about_two_documents_of_one_page_share_its_prefix_and_cite_the
     assert all(f'id="{m}"' in p for m in members for p in prompts)  # the whole page, each document by its id
 
 
+def scattered_question(texts: dict[str, str], page_of: dict[str, str], retriever) -> tuple[str, str, list[str]]:
+    """A question whose five hits leave at least two documents outside the page that leads its prompt: the
+    question, that page, and those documents best-ranked first."""
+    for text in texts.values():
+        ranked = retriever.retrieve_sync(text[:200], 5)
+        held = [page_of[hit.parent] for hit in ranked]  # the page holding most hits, ties: the better-ranked
+        best = min(held, key=lambda page: (-held.count(page), held.index(page)))
+        outside = list(dict.fromkeys(hit.parent for hit in ranked if page_of[hit.parent] != best))
+        if len(outside) >= 2:
+            return text[:200], best, outside
+    raise AssertionError("no question with scattered hits in the notes")
+
+
+@pytest.mark.parametrize("page_extras", [None, 1])
+def test_at_most_page_extras_hits_follow_a_page_the_best_ranked_first(notes, embedder, page_extras):
+    _, texts, index = notes
+    page_of = {parent: key for key, members in index.pages.items() for parent in members}
+    server, fake = serve(notes, embedder, strategy="document", top_k=5, page_extras=page_extras)
+    with server:
+        server.wait_ready()
+        question, page, outside = scattered_question(texts, page_of, server.app.state.service.retriever)
+        ask(server, question=question).raise_for_status()
+    shown = {cited.split("::")[0] for cited in re.findall(r'id="([^"]+)"', fake.prompts[-1][1]["content"])}
+    assert set(index.pages[page]) <= shown  # the page leads, whole
+    assert shown - set(index.pages[page]) == set(outside[:page_extras])  # None: every hit outside it
+
+
 def test_ready_only_once_the_search_indexes_are_loaded(notes, embedder, monkeypatch):
     """A question right after /readyz says 200 finds BM25 and the pages loaded: it gets the hybrid ranking and its
     page, the prompt every later question about that page gets (before, ready came while they still loaded)."""

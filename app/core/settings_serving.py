@@ -107,6 +107,10 @@ class GenerationSettings(BaseModel):
     unit_quorum: float = Field(
         0.5, ge=0, le=1, description="document strategy: a unit bigger than the plain top-k is the context when it "
         "holds this share of the hits, else the plain top-k is (hits after a long unit would be uncached text).")
+    page_extras: int | None = Field(
+        None, ge=0, description="document strategy: at most this many of the hits outside a leading page follow it, "
+        "best-ranked first (None: all). Each is uncached text that attends over the whole page: fewer cut the time "
+        "to first token on small models (CPU) and show fewer passages (see README: pages).")
     max_unit_tokens: int = Field(12288, ge=128,
                                  description="document strategy: a bigger parent is cut into aligned windows.")
     warm_kv_share: float = Field(

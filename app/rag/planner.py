@@ -31,7 +31,8 @@ class ContextPlanner:
         self.corpus = Corpus(retriever)
         self.strategies: dict[str, ContextStrategy] = {
             "canonical": Canonical(), "reuse": Reuse(ServedTrie()), "corpus": self.corpus,
-            "document": Document(self.units, self.hotness, settings.max_units, settings.unit_quorum)}
+            "document": Document(self.units, self.hotness, settings.max_units, settings.unit_quorum,
+                                 settings.page_extras)}
         # auto starts as document and becomes corpus once ``decide_corpus`` found that it fits.
         self.active = self.strategies["document" if settings.strategy == "auto" else settings.strategy]
 

@@ -5,7 +5,7 @@ a prefix vLLM already holds. Each is a setting (RAG_GENERATION__STRATEGY) and a 
 - document: the top hit's stable unit (its whole parent document, or an aligned window of it) when it holds most
   hits, else the plain top-k; small units come several to a prompt, hot units first. A unit is shared by every
   question about it. When the top hit's document was grouped into a page (small documents, ``app.core.pages``),
-  the page holding most hits comes first, then the hits outside it.
+  the page holding most hits comes first, then the hits outside it (at most ``page_extras`` of them).
 - reuse: the top-k set ordered along the longest path already served (bounded trie), the rest canonically.
 - corpus: the whole collection, parent document by parent document, as one fixed prefix, when it fits the window.
 - auto: corpus when it fits the window and max_unit_tokens, else document.
@@ -65,8 +65,9 @@ class Document(Canonical):
     name = "document"
 
     def __init__(self, units: UnitIndex, hotness: Hotness, max_units: int | None = None, quorum: float = 0.5,
-                 ) -> None:
+                 page_extras: int | None = None) -> None:
         self.units, self.hotness, self.max_units, self.quorum = units, hotness, max_units, quorum
+        self.page_extras = page_extras
 
     async def arrange(self, ranked: list[ContextChunk], budget: int, stable: bool = False,
                       scoped: bool = False) -> list[ContextChunk]:
@@ -97,8 +98,8 @@ class Document(Canonical):
     async def _paged(self, ranked: list[ContextChunk], hits: dict[str, ContextChunk],
                      stable: bool) -> list[ContextChunk]:
         """The page holding most hits (ties: the better-ranked hit) first, whether or not it holds a quorum: it is
-        a cached prefix, so it costs little, and the hits outside it follow (fewer the more it holds). Only one
-        unit can lead a prompt, so no other page is added."""
+        a cached prefix, so it costs little, and the hits outside it follow (fewer the more it holds; at most
+        ``page_extras``, best-ranked first). Only one unit can lead a prompt, so no other page is added."""
         held: dict[str, list[ContextChunk]] = {}
         for hit in ranked:
             if (page := self.units.page_of(hit)) is not None:
@@ -107,7 +108,8 @@ class Document(Canonical):
         key, chunks = await self.units.unit_for(held[best][0])
         inside = {c.id for c in chunks}
         unit = as_unit(chunks, held[best][0].rank, hits)
-        return self._in_order({key: unit}, [c for c in ranked if c.id not in inside], stable)
+        outside = [c for c in ranked if c.id not in inside]  # best-ranked first
+        return self._in_order({key: unit}, outside[:self.page_extras], stable)
 
     def _in_order(self, units: dict[str, list[ContextChunk]], extras: list[ContextChunk],
                   stable: bool) -> list[ContextChunk]:
