@@ -2,8 +2,8 @@
 embedder, strategies and pages, pre-warm, the token budget, citations -- against the fake vLLM of
 ``tests/fakes.py``, put in at the one seam (``create_app(llm=)``). Seconds, no vLLM. Every behaviour here that
 depends on what vLLM does (caching, pre-warm, the token budget, chat) is also tested against a real vLLM CPU server
-(marked ``vllm``); the two about the search indexes loading (readiness, a reload) involve no vLLM and are tested
-here only. Run this tier alone: ``pytest -m "not vllm"``."""
+(marked ``vllm``); those about the search indexes loading (readiness, a reload) and about which hits follow a
+page (``page_extras``) involve no vLLM and are tested here only. Run this tier alone: ``pytest -m "not vllm"``."""
 
 from __future__ import annotations
 
