@@ -147,7 +147,8 @@ class TrafficSettings(BaseModel):
     max_in_flight: int = Field(
         8, ge=1, description="User requests in the pipeline (retrieval + vLLM) at once. Measured on the 2-core "
         "CPU test model (bench/results/live-traffic.json: 8 in flight answer ~40 % more than 4 in flight + 4 queued, "
-        "at the same admitted p99); on a GPU raise it towards vLLM's max_num_seqs.")
+        "at the same admitted p99). On a GPU more fit, up to what one app process relays: on an H200, 32 answered "
+        "~3x as many but saturated the app's event loop (/healthz p99 0.2-0.4 s); beyond, run more app processes.")
     max_queued: int = Field(0, ge=0, description="Requests waiting for a slot; one more is refused with 429 "
                             "(each place adds up to one service time to an admitted request's latency, while a "
                             "place in flight costs little more: vLLM batches it).")
