@@ -158,7 +158,9 @@ def test_sigterm_drains_for_a_bounded_time_then_exits_leaving_no_vllm_work(colle
         thread = threading.Thread(target=lambda: httpx.post(url + "/ask", timeout=120, json={
             "question": "What do anchors do?", "max_tokens": LONG}), daemon=True)
         thread.start()
-        wait_until(lambda: running(vllm_url) == 1, 30, "the answer decoding in vLLM")
+        # At least one: vLLM was idle, so what runs now is this app's, the answer (and maybe a pre-warm piece it
+        # has not aborted yet): a CI run on an AMX VM timed out waiting for exactly one (the count it saw unrecorded).
+        wait_until(lambda: running(vllm_url) >= 1, 30, "the answer decoding in vLLM")
         app.send_signal(signal.SIGTERM)
         exited = wait_until(lambda: app.poll() is not None, 30, "the app exiting after its drain time")
         assert exited >= 1.5, "requests in flight get their drain time"
