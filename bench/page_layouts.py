@@ -110,11 +110,16 @@ def _layout(index, documents, questions, deep, top_k: int, choice: str, after_pa
 
 
 def _page(index, hits, candidates, choice: str) -> str:
-    """``most``: the page holding most of the hits (ties: the better-ranked hit); ``deep``: the page with the
-    most fused score among all candidates."""
+    """``most``: the service's choice (``leading_page``); ``deep``: the page with the most fused score among all
+    candidates."""
+    from app.rag.strategies import leading_page
+
     if choice == "most":
-        held = [index.page_of(hit.parent) for hit in hits if index.page_of(hit.parent)]
-        return min(held, key=lambda page: (-held.count(page), held.index(page)))
+        held: dict[str, list] = {}
+        for hit in hits:
+            if (page := index.page_of(hit.parent)) is not None:
+                held.setdefault(page, []).append(hit)
+        return leading_page(held)
     score: dict[str, float] = {}
     for hit in candidates:
         if (page := index.page_of(hit.parent)) is not None:

@@ -104,7 +104,7 @@ class Document(Canonical):
         for hit in ranked:
             if (page := self.units.page_of(hit)) is not None:
                 held.setdefault(page, []).append(hit)
-        best = min(held, key=lambda page: (-len(held[page]), held[page][0].rank))
+        best = leading_page(held)
         key, chunks = await self.units.unit_for(held[best][0])
         inside = {c.id for c in chunks}
         unit = as_unit(chunks, held[best][0].rank, hits)
@@ -122,6 +122,12 @@ class Document(Canonical):
     def served(self, kept: list[ContextChunk]) -> None:
         """The units a request sent get hotter (a page is one unit, whichever of its documents were shown)."""
         self.hotness.use(self.units.units_of(kept))
+
+
+def leading_page(held: dict[str, list[ContextChunk]]) -> str:
+    """Of the pages holding a question's hits (each with its hits, best-ranked first), the one that leads its
+    prompt: the one holding most; ties: the one holding the better-ranked hit."""
+    return min(held, key=lambda page: (-len(held[page]), held[page][0].rank))
 
 
 class Reuse(Canonical):
