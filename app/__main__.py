@@ -25,7 +25,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     from app.core.settings import Settings
-    from app.observability import configure_logging
+    from app.serve.observability import configure_logging
 
     args = parse_args(argv)
     # Flags become the settings' own variables, so a --reload worker process reads them too.
@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging()
     # SIGTERM: stop accepting, let requests in flight finish for drain_s, then cut them off (closing their
     # vLLM requests, which vLLM then aborts) and exit.
-    app = "app.main:create_app" if args.reload else _create(settings)
+    app = "app.serve.app:create_app" if args.reload else _create(settings)
     # log_config=None: uvicorn's lines go through ours (request id, quiet probes).
     uvicorn.run(app, factory=args.reload, reload=args.reload, host=settings.service.host,
                 port=settings.service.port, log_level="info",
@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _create(settings):
-    from app.main import create_app
+    from app.serve.app import create_app
 
     return create_app(settings)
 

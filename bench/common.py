@@ -55,8 +55,8 @@ def environment() -> dict:
 
 def cpu_name() -> str | None:
     """The CPU's model name (a VM's is often generic), the vector extensions vLLM's CPU kernels choose from, and
-    the dtype ``app.vllm_server`` serves the test model in there (bf16 needs avx512_bf16 or AMX)."""
-    from app.vllm_server import cpu_dtype, cpu_flags
+    the dtype ``app.vllm.launcher`` serves the test model in there (bf16 needs avx512_bf16 or AMX)."""
+    from app.vllm.launcher import cpu_dtype, cpu_flags
 
     try:
         with open("/proc/cpuinfo") as info:

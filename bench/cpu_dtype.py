@@ -44,7 +44,7 @@ def prefill_ms(url: str, words: int, repeats: int) -> tuple[int, list[float]]:
 
 
 def measure(model: str, dtype: str, args: argparse.Namespace, tmp: Path) -> dict:
-    from app.vllm_process import Child, free_port, vllm_argv
+    from app.vllm.process import Child, free_port, vllm_argv
 
     port = free_port()
     log = tmp / f"vllm-{model}-{dtype}.log"

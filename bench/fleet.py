@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import httpx
 
-from app.llm import metric_total, replicas_of
+from app.vllm.client import metric_total, replicas_of
 
 COUNTERS = {"hits": "vllm:prefix_cache_hits_total", "queries": "vllm:prefix_cache_queries_total",
             "requests": "vllm:request_success_total", "prompt_tokens": "vllm:prompt_tokens_total"}

@@ -2,7 +2,7 @@
 before the engine sees it, by prompt length. The same prompt, already in the prefix cache, is sent as a chat
 (``/v1/chat/completions``: the server renders the template and tokenizes) and as its token ids
 (``/v1/completions``: it does neither), one token each; the difference of the medians is the front end's cost.
-Then both again through the app's own vLLM client, as token-id prompts send them (``app.prompt_ids``)."""
+Then both again through the app's own vLLM client, as token-id prompts send them (``app.vllm.prompt_ids``)."""
 
 from __future__ import annotations
 
@@ -41,9 +41,9 @@ def timed_ms(client: httpx.Client, path: str, body: dict) -> float:
 
 
 async def via_app(url: str, model: str, messages: list[dict], ids: list[int], repeats: int) -> dict[str, list[float]]:
-    """The same two ways through the app's own vLLM client (``app.llm``, what token-id prompts use), streamed."""
+    """The same two ways through the app's own vLLM client (what token-id prompts use), streamed."""
     from app.core.settings import VLLMSettings
-    from app.llm import Completion, LLMClient
+    from app.vllm.client import Completion, LLMClient
 
     llm = LLMClient(VLLMSettings(url=url + "/v1"))
     llm.use_model(model)

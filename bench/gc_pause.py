@@ -1,4 +1,4 @@
-"""How long a full garbage collection stops the service process, before and after ``app.runtime.freeze_start_up``.
+"""How long a full garbage collection stops the service process, before and after ``freeze_start_up``.
 
 Builds the service graph on an ingested collection (encoder loaded, Chroma open), runs a few retrievals (the BM25
 index and pages load) and reads every chunk (what the corpus strategy holds), then times ``gc.collect()`` of each
@@ -47,8 +47,8 @@ def collections_ms() -> dict[str, float]:
 
 async def measure(args: argparse.Namespace, freeze: bool) -> dict:
     from app.core.settings import Settings
-    from app.runtime import freeze_start_up
-    from app.services import build_services
+    from app.runtime.pauses import freeze_start_up
+    from app.runtime.services import build_services
 
     settings = Settings(_env_file=None)
     settings.chroma.path, settings.chroma.collection = args.chroma, args.collection
@@ -58,7 +58,7 @@ async def measure(args: argparse.Namespace, freeze: bool) -> dict:
         freeze_start_up()  # where the app's lifespan calls it: after the graph is built
     for question in QUESTIONS:
         await services.retriever.retrieve(question, 5, None)
-    chunks = await services.retriever.chunks_where(None)
+    chunks = await services.index.chunks_where(None)
     result = {"chunks": len(chunks), "tracked_objects": len(gc.get_objects()), "frozen": gc.get_freeze_count(),
               "collect_ms": collections_ms()}
     await services.aclose()

@@ -11,13 +11,12 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from app.core.metrics import ServiceMetrics
 from app.core.settings import GenerationSettings, Settings, TrafficSettings, VLLMSettings
-from app.llm import LLMClient
-from app.metrics import ServiceMetrics
 from app.rag.retriever import Retriever
-from app.rag.service import RAGService
-from app.rag.upstream import Upstream
-from app.services import Services, build_services
+from app.runtime.services import Services, build_services
+from app.runtime.upstream import Upstream
+from app.vllm.client import LLMClient
 from bench.ceiling import BlockCacheCeiling
 from bench.fleet import Fleet, difference
 from bench.modes import Record, run_naive, run_prefixrag
@@ -59,7 +58,7 @@ class Harness:
         print(f"ingest: {report.chunks_written} chunks written in {time.perf_counter() - started:.1f}s", flush=True)
         self.services = await build_services(self.settings, embedder=self.embedder)  # the app's own graph
         self.retriever, self.llm, self.upstream = self.services.retriever, self.services.llm, self.services.upstream
-        await self.retriever.indexes_ready()  # BM25 and pages ready before any timed question
+        await self.services.index.indexes_ready()  # BM25 and pages ready before any timed question
         await self.upstream.refresh()
         self.fleet = await Fleet.discover(vllm_url, getattr(args, "replica_metrics", None))
         return self
@@ -68,7 +67,7 @@ class Harness:
         await self.services.aclose()
         await self.fleet.aclose()
 
-    def service(self, mode: str) -> RAGService:
+    def service(self, mode: str) -> Services:
         """``mode`` is a strategy name, or ``prefixrag`` (the service default), optionally with generation
         settings after colons: ``document:unit_quorum=1``."""
         name, *overrides = mode.split(":")
@@ -78,7 +77,7 @@ class Harness:
         generation = GenerationSettings.model_validate(values)
         # The benchmark measures the pipeline at its own concurrency: admission control never refuses it.
         limits = TrafficSettings(max_in_flight=self.args.concurrency, max_queued=self.args.concurrency)
-        return self.services.rag(generation, limits, ServiceMetrics())
+        return self.services.variant(generation, limits, ServiceMetrics())
 
     async def run_mode(self, mode: str, stream, earlier: list[dict]) -> dict:
         await self.fleet.reset()  # no mode profits from another's cache (each replica's, behind a router)
@@ -114,7 +113,7 @@ class Harness:
         result["strategy"] = service.planner.name if service is not None else "naive"
         if service is not None:
             result["warmup"] = asdict(service.warmer.progress)
-            # How its prompts went to vLLM: as token ids (app.prompt_ids) or as chats.
+            # How its prompts went to vLLM: as token ids (app.vllm.prompt_ids) or as chats.
             result["prompt_forms"] = {form: int(service.metrics.registry.get_sample_value(
                 "prefixrag_prompts_total", {"form": form}) or 0) for form in ("token_ids", "chat")}
             service.planner.close()

@@ -22,7 +22,6 @@ import json
 import os
 import random
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -77,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.vllm_url:
             result = run_with_app(args, args.vllm_url, collection, (questions, fresh), Path(tmp))
         else:
-            from app.vllm_process import LocalVLLM
+            from app.vllm.process import LocalVLLM
 
             with LocalVLLM(Path(tmp) / "vllm.log", max_model_len=8192) as url:
                 result = run_with_app(args, url, collection, (questions, fresh), Path(tmp))
@@ -113,22 +112,20 @@ def prepare_corpus(args: argparse.Namespace, collection: str) -> tuple[list[str]
 
 
 def run_with_app(args, vllm_url: str, collection: str, drawn: tuple[list[str], list[str]], tmp: Path) -> dict:
-    from app.vllm_process import free_port
+    from app.vllm.process import app_child, free_port
 
     port = free_port()
-    env = os.environ | {"RAG_VLLM_URL": vllm_url, "RAG_CHROMA_PATH": str(args.chroma), "RAG_COLLECTION": collection,
-                        "RAG_SERVICE__PORT": str(port), "RAG_GENERATION__HOTNESS_DIR": str(tmp / "hotness")}
+    env = {"RAG_VLLM_URL": vllm_url, "RAG_CHROMA_PATH": str(args.chroma), "RAG_COLLECTION": collection,
+           "RAG_GENERATION__HOTNESS_DIR": str(tmp / "hotness")}
     started = time.monotonic()
-    with open(tmp / "app.log", "w") as log:
-        app = subprocess.Popen([sys.executable, "-m", "app"], env=env, stdout=log, stderr=subprocess.STDOUT)
-        _renice(5)
-        try:
-            return asyncio.run(phases(args, f"http://127.0.0.1:{port}", vllm_url, app.pid, drawn, started))
-        finally:
-            app.terminate()
-            app.wait(60)
-            if args.app_log:
-                shutil.copyfile(tmp / "app.log", args.app_log)
+    app = app_child(tmp / "app.log", env, port).start()
+    _renice(5)
+    try:
+        return asyncio.run(phases(args, f"http://127.0.0.1:{port}", vllm_url, app.pid, drawn, started))
+    finally:
+        app.stop()
+        if args.app_log:
+            shutil.copyfile(tmp / "app.log", args.app_log)
 
 
 async def phases(args, url: str, vllm_url: str, pid: int, drawn: tuple[list[str], list[str]],

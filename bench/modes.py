@@ -2,7 +2,7 @@
 
 ``naive`` is LangChain's RAG tutorial layout: instructions + retrieved chunks in relevance order joined by blank
 lines in the system message, the question as the user message. ``prefixrag`` modes go through the service's
-own path (``RAGService.answer_stream``), in process.
+own path (``Service.answer_stream``), in process.
 """
 
 from __future__ import annotations
@@ -10,10 +10,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from app.llm import Completion, Delta
-from app.rag.affinity import affinity_key
+from app.rag.pipeline import Answer
 from app.rag.requests import Query
-from app.rag.service import Answer
+from app.vllm.client import Completion, Delta
 
 # Verbatim from LangChain's RAG tutorial (the usual way RAG prompts are built).
 NAIVE_SYSTEM = (
@@ -52,17 +51,18 @@ async def run_naive(question, k: int, retriever, llm, max_tokens: int) -> Record
     return _finish(record, completion, started)
 
 
-async def run_prefixrag(question, k: int, service, max_tokens: int) -> Record:
+async def run_prefixrag(question, k: int, services, max_tokens: int) -> Record:
     started = time.perf_counter()
     record = Record(question.id)
-    async for event in service.answer_stream(Query(question.text, top_k=k, max_tokens=max_tokens,
+    async for event in services.service.answer_stream(Query(question.text, top_k=k, max_tokens=max_tokens,
                                                    received_at=started)):
         if isinstance(event, Delta):
             record.ttft_s = record.ttft_s or time.perf_counter() - started
         elif isinstance(event, Answer):
-            record.doc_ids = {c.doc_id for c in event.context}  # recall: is the gold passage in the prompt?
-            record.messages = event.messages
-            record.prefix_key = affinity_key(event.context)
+            context = event.prompt.context
+            record.doc_ids = {c.doc_id for c in context}  # recall: is the gold passage in the prompt?
+            record.messages = event.prompt.messages
+            record.prefix_key = event.prompt.affinity
             record.overhead_s = (event.timings_ms.retrieve + event.timings_ms.assemble) / 1000
             return _finish(record, event.completion, started)
     raise AssertionError("no answer")

@@ -51,7 +51,7 @@ async def _run(args) -> list[dict]:
     from app.core import pages
     from app.core.embedder import Embedder
     from app.core.settings import Settings
-    from app.services import build_services
+    from app.runtime.services import build_services
     from ingest.pipeline import run_ingest
 
     dataset = load_dataset(args.data)
@@ -62,13 +62,13 @@ async def _run(args) -> list[dict]:
     services = await build_services(settings, embedder=embedder)
     try:
         retriever = services.retriever
-        await retriever.indexes_ready()
+        await services.index.indexes_ready()
         questions = [q for q in sample(dataset.questions, args.questions, args.seed) if q.gold]
         deep = [await retriever.retrieve(q.text, args.depth) for q in questions]
-        documents = _documents_of(retriever.collection)
+        documents = _documents_of(services.index.collection)
         rows = []
         for size in (int(s) for s in args.sizes.split(",")):
-            index = pages.build(retriever.collection, size)
+            index = pages.build(services.index.collection, size)
             for choice in ("most", "deep"):
                 for after_page in (None, 3, 2, 1, 0):
                     rows.append(_layout(index, documents, questions, deep, args.top_k, choice, after_page))

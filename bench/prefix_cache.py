@@ -89,7 +89,7 @@ class _vllm:
     """Use --vllm-url, or start the CPU test model server (dev mode) for the run and stop it after."""
 
     def __init__(self, args, tmp: Path) -> None:
-        from app.vllm_process import LocalVLLM
+        from app.vllm.process import LocalVLLM
 
         self.url = args.vllm_url
         self.local = None if self.url else LocalVLLM(tmp / "vllm.log", args.max_model_len)

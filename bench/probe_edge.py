@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import subprocess
 import sys
 import tempfile
@@ -21,7 +20,7 @@ from pathlib import Path
 
 import httpx
 
-from app.vllm_process import LocalVLLM, free_port, wait_for_http
+from app.vllm.process import LocalVLLM, app_child, free_port
 from bench.common import command_line, environment, write_json
 
 KEY = "probe-key"
@@ -133,19 +132,17 @@ def main(argv: list[str] | None = None) -> int:
         tmp = Path(tmp_name)
         result = {"big_document": big_document_ingest(tmp)}
         port = free_port()
-        env = os.environ | {"RAG_API_KEY": KEY, "RAG_SERVICE__PORT": str(port), "RAG_VLLM_URL": vllm,
-                            "RAG_CHROMA_PATH": str(tmp / "big-chroma"), "RAG_COLLECTION": "big",
-                            "RAG_GENERATION__MAX_TOKENS": "8", "RAG_GENERATION__HOTNESS_DIR": str(tmp / "hot")}
-        app = subprocess.Popen([sys.executable, "-m", "app"], env=env, stdout=open(tmp / "app.log", "w"),
-                               stderr=subprocess.STDOUT)
+        env = {"RAG_API_KEY": KEY, "RAG_VLLM_URL": vllm, "RAG_CHROMA_PATH": str(tmp / "big-chroma"),
+               "RAG_COLLECTION": "big", "RAG_GENERATION__MAX_TOKENS": "8",
+               "RAG_GENERATION__HOTNESS_DIR": str(tmp / "hot")}
+        app = app_child(tmp / "app.log", env, port).start()
         try:
-            wait_for_http(f"http://127.0.0.1:{port}/healthz", 300, app)
-            wait_for_http(f"http://127.0.0.1:{port}/readyz", 300, app)
+            app.wait_for(f"http://127.0.0.1:{port}/healthz", 300)
+            app.wait_for(f"http://127.0.0.1:{port}/readyz", 300)
             result["bodies"] = body_probe(f"http://127.0.0.1:{port}", app.pid)
             result["schemathesis"] = schemathesis_probe(f"http://127.0.0.1:{port}", args.examples)
         finally:
-            app.terminate()
-            app.wait(30)
+            app.stop(30)
     write_json(args.out, result | {"command": command_line("bench.probe_edge", argv), "environment": environment()})
     return 0
 

@@ -1,7 +1,7 @@
 """``python -m bench.scale_out --data DIR``: N vLLM replicas behind vllm-router against one replica, and a replica
 SIGKILLed mid-run.
 
-Starts the topology with ``app.cluster`` (the CPU test model, dev mode) and replays one seeded question stream
+Starts the topology with ``app.vllm.cluster`` (the CPU test model, dev mode) and replays one seeded question stream
 through the service's pipeline (the default strategy, its pre-warm first) three times, caches reset in between:
 ``single`` straight to replica 0; ``routed`` through the router (counters summed over the replicas, each one's
 share of requests and prompt tokens); ``failover`` through the router with one replica SIGKILLed once
@@ -38,8 +38,8 @@ def parse_args(argv):
 
 
 def main(argv: list[str] | None = None) -> int:
-    from app.cluster import Cluster
-    from app.vllm_process import free_port
+    from app.vllm.cluster import Cluster
+    from app.vllm.process import free_port
 
     args = parse_args(argv)
     args.kill_after = args.kill_after or args.questions // 2

@@ -1,56 +1,24 @@
-"""The main job, end to end: start vLLM (SmolLM2-135M-Instruct on CPU), ingest docs/, serve, ask two
+"""The main job, end to end: start vLLM (SmolLM2-135M-Instruct on CPU), ingest examples/docs/, serve, ask two
 questions, print answers, sources and cached_tokens, then shut everything down.
 
-    .venv/bin/python scripts/demo.py [--test-model] [--keep-running]
+    .venv/bin/python scripts/demo.py [--test-model]
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 
+from app.vllm.process import Child, app_child, vllm_argv
+
 ROOT = Path(__file__).resolve().parent.parent
+DOCS = ROOT / "examples" / "docs"  # the sample corpus
 QUESTIONS = ("How does prefixrag order the retrieved chunks in the prompt?",
              "In what order does prefixrag put retrieved chunks into the prompt?")
-
-
-def start(name: str, argv: list[str], env: dict, log_dir: Path) -> subprocess.Popen:
-    log = open(log_dir / f"{name}.log", "w")
-    print(f"[demo] starting {name} (log: {log.name})", flush=True)
-    return subprocess.Popen(argv, cwd=ROOT, env=os.environ | env, stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
-
-
-def wait(url: str, process: subprocess.Popen, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise SystemExit(f"[demo] {what} exited with {process.returncode}; see its log")
-        try:
-            if httpx.get(url, timeout=3).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    raise SystemExit(f"[demo] {what} not ready after {timeout:.0f}s")
-
-
-def stop(processes: list[subprocess.Popen]) -> None:
-    for process in reversed(processes):
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGTERM)
-    for process in processes:
-        try:
-            process.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
 
 
 def show(number: int, question: str, body: dict) -> None:
@@ -70,22 +38,21 @@ def main() -> int:
     args = parser.parse_args()
     log_dir = ROOT / "data" / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
-    python = sys.executable
     model = ["--test-model"] if args.test_model else ["--model", "smollm2"]
     vllm_url = f"http://127.0.0.1:{args.vllm_port}"
-    env = {"RAG_VLLM_URL": vllm_url + "/v1", "RAG_SERVICE__PORT": str(args.port), "RAG_GENERATION__MAX_TOKENS": "80",
-           "RAG_GENERATION__REPETITION_PENALTY": "1.1",
-           "RAG_TOP_K": "3"}
-    processes: list[subprocess.Popen] = []
+    env = {"RAG_VLLM_URL": vllm_url + "/v1", "RAG_GENERATION__MAX_TOKENS": "80",
+           "RAG_GENERATION__REPETITION_PENALTY": "1.1", "RAG_TOP_K": "3"}
+    vllm = Child("vLLM", vllm_argv(args.vllm_port, *model), log_dir / "vllm.log")
+    app = app_child(log_dir / "app.log", env, args.port)
     try:
-        processes.append(start("vllm", [python, "-m", "app.vllm_server", *model, "--port", str(args.vllm_port)],
-                               {}, log_dir))
-        print("[demo] ingesting docs/ while vLLM starts", flush=True)
-        subprocess.run([python, "-m", "ingest", "docs"], cwd=ROOT, check=True)
-        wait(vllm_url + "/v1/models", processes[0], 900, "vLLM")
-        processes.append(start("app", [python, "-m", "app"], env, log_dir))
+        print(f"[demo] starting vLLM (log: {vllm.log_path})", flush=True)
+        vllm.start()
+        print(f"[demo] ingesting {DOCS.relative_to(ROOT)}/ while vLLM starts", flush=True)
+        subprocess.run([sys.executable, "-m", "ingest", str(DOCS)], cwd=ROOT, check=True)
+        vllm.wait_for(vllm_url + "/v1/models", 900)
+        print(f"[demo] starting prefixrag (log: {app.log_path})", flush=True)
         app_url = f"http://127.0.0.1:{args.port}"
-        wait(app_url + "/readyz", processes[-1], 300, "prefixrag")
+        app.start().wait_for(app_url + "/readyz", 300)
         for number, question in enumerate(QUESTIONS, 1):
             response = httpx.post(app_url + "/ask", json={"question": question}, timeout=300)
             response.raise_for_status()
@@ -96,9 +63,13 @@ def main() -> int:
         if args.test_model:
             print("[demo] note: --test-model has random weights: its answer text is noise.")
         return 0
+    except (RuntimeError, TimeoutError) as exc:
+        print(f"[demo] error: {exc}", file=sys.stderr)
+        return 1
     finally:
         print("[demo] shutting down", flush=True)
-        stop(processes)
+        app.stop()
+        vllm.stop()
 
 
 if __name__ == "__main__":

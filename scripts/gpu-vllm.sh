@@ -10,13 +10,13 @@ URL=http://127.0.0.1:$PORT
 
 up() { python3 -c "import urllib.request; urllib.request.urlopen('$URL/health', timeout=2)" 2>/dev/null; }
 
-if ! up && pgrep -f "app.vllm_(server|entry) " > /dev/null; then  # started by an earlier call, still loading
+if ! up && pgrep -f "app\.vllm(_server|\.entry) " > /dev/null; then  # started by an earlier call, still loading
   echo "[gpu-vllm] waiting for the vLLM already starting"
   for _ in $(seq 400); do up && break; sleep 1; done
 fi
 if ! up; then
   echo "[gpu-vllm] starting vLLM ($MODEL $VLLM_EXTRA) $(date +%T)"
-  setsid nohup python3 -m app.vllm_server --model "$MODEL" --load-format dummy --block-size "$BLOCK" \
+  setsid nohup python3 -m app.vllm.launcher --model "$MODEL" --load-format dummy --block-size "$BLOCK" \
     --max-model-len 32768 --dev-mode --port "$PORT" -- $VLLM_EXTRA > /var/tmp/vllm.log 2>&1 &
   for _ in $(seq 400); do up && break; sleep 1; done
   up || { tail -60 /var/tmp/vllm.log; exit 1; }

@@ -3,19 +3,13 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
+import json
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("ANONYMIZED_TELEMETRY", "False")
-
-
-from app.vllm_process import LocalVLLM, free_port, wait_for_http  # noqa: E402  (after the env defaults above)
+from app.vllm.process import LocalVLLM, chroma_child, free_port
+from tests.support.env import ROOT  # noqa: F401  (sets the environment every test process needs)
 
 
 @pytest.fixture(scope="session")
@@ -44,28 +38,18 @@ def chroma_server(tmp_path_factory):
     """A real `chroma run` server on a free port."""
     port = free_port()
     data = tmp_path_factory.mktemp("chroma-server")
-    chroma = Path(sys.executable).with_name("chroma")
-    log = open(data / "server.log", "w")
-    process = subprocess.Popen([str(chroma), "run", "--path", str(data / "db"), "--host", "127.0.0.1",
-                                "--port", str(port)], stdout=log, stderr=subprocess.STDOUT,
-                               env=os.environ | {"ANONYMIZED_TELEMETRY": "False"})
+    server = chroma_child(data / "db", port, data / "server.log").start()
     try:
-        wait_for_http(f"http://127.0.0.1:{port}/api/v2/heartbeat", 60, process)
+        server.wait_for(f"http://127.0.0.1:{port}/api/v2/heartbeat", 60)
         yield f"http://127.0.0.1:{port}"
     finally:
-        process.terminate()
-        process.wait(20)
-
-
-def run_cli(*args: str, env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ingest", *args], cwd=ROOT, capture_output=True, text=True,
-                          env=os.environ | (env or {}), timeout=timeout)
+        server.stop(20)
 
 
 @pytest.fixture(scope="module")
 def collections(tmp_path_factory, embedder):
-    """The service tests' collections in one on-disk Chroma (see ``tests.corpora``); returns its path."""
-    from tests.corpora import write_service_collections
+    """The service tests' collections in one on-disk Chroma (see ``tests.support.corpora``); returns its path."""
+    from tests.support.corpora import write_service_collections
 
     return write_service_collections(tmp_path_factory.mktemp("service"), embedder)
 
@@ -81,3 +65,37 @@ def vllm_server(tmp_path_factory):
 @pytest.fixture(scope="session")
 def vllm_url(vllm_server):
     return vllm_server[0]
+
+
+@pytest.fixture(scope="module")
+def articles_db(tmp_path_factory, embedder):
+    """Two "articles" of eight paragraphs (records sharing a title are one parent document), unpaged: the
+    strategy tests are about whole articles as units."""
+    from app.core.settings import Settings
+    from ingest.pipeline import run_ingest
+    from tests.support.corpora import ARTICLES
+
+    base = tmp_path_factory.mktemp("strategies")
+    records = [{"id": f"{t}#{i}", "title": t, "text": text} for t, texts in ARTICLES.items()
+               for i, text in enumerate(texts)]
+    (base / "articles.jsonl").write_text("\n".join(map(json.dumps, records)) + "\n")
+    settings = Settings(_env_file=None)
+    settings.chroma.path, settings.chroma.collection = base / "chroma", "articles"
+    settings.pages.tokens = 0
+    run_ingest([base / "articles.jsonl"], settings, embedder)
+    return base / "chroma"
+
+
+TIERS = {"fast": set(), "vllm": {"vllm"}, "cluster": {"vllm", "cluster"}}  # folder -> the marks its tests carry
+
+
+def pytest_collection_modifyitems(items):
+    """A test's folder is its tier: ``fast/`` needs no vLLM, ``vllm/`` starts the real vLLM CPU server,
+    ``cluster/`` two replicas behind vllm-router. A test whose marks disagree with its folder fails collection."""
+    for item in items:
+        tier = Path(item.path).parent.name
+        if tier in TIERS:
+            marks = {mark.name for mark in item.iter_markers()} & {"vllm", "cluster"}
+            if marks != TIERS[tier]:
+                raise pytest.UsageError(f"{item.nodeid}: marked {sorted(marks)}, but {tier}/ holds tests marked "
+                                        f"{sorted(TIERS[tier])}")

@@ -57,9 +57,6 @@ class Embedder:
         getter = getattr(self.model, "get_embedding_dimension", None) or self.model.get_sentence_embedding_dimension
         return int(getter())
 
-    def count_tokens(self, text: str) -> int:
-        return len(self.tokenizer.encode(text, add_special_tokens=False))
-
     def embed(self, texts: list[str]) -> list[list[float]]:
         if not texts:
             return []

@@ -21,7 +21,6 @@ from app.core.settings_corpus import (
     RetrievalSettings,
 )
 from app.core.settings_serving import (
-    STRATEGIES,
     GenerationSettings,
     ServiceSettings,
     TrafficSettings,
@@ -30,7 +29,7 @@ from app.core.settings_serving import (
 )
 
 __all__ = [
-    "PACKAGED_EMBEDDER", "STRATEGIES", "ChromaSettings", "ChunkSettings", "EmbeddingSettings", "GenerationSettings",
+    "PACKAGED_EMBEDDER", "ChromaSettings", "ChunkSettings", "EmbeddingSettings", "GenerationSettings",
     "IngestSettings", "PageSettings", "RetrievalSettings", "ServiceSettings", "Settings", "TrafficSettings",
     "VLLMServerSettings", "VLLMSettings",
 ]

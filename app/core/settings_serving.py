@@ -11,7 +11,6 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, Field, field_validator
 from pydantic_settings import NoDecode
 
-STRATEGIES = ("canonical", "document", "reuse", "corpus", "auto")
 ORIGIN = re.compile(r"https?://[^/\s]+")
 
 
@@ -21,8 +20,6 @@ class VLLMSettings(BaseModel):
     model: str | None = Field(None, description="Served model name; default: the one model vLLM lists.")
     api_key: str = Field("EMPTY", description="API key sent to vLLM (vLLM's --api-key), if any.")
     timeout_s: float = Field(120.0, gt=0, description="Per-request timeout to vLLM; over it /ask answers 504.")
-    connect_retries: int = Field(60, ge=0,
-                                 description="Start-up probes of vLLM before giving up logging (keeps probing).")
     retry_interval_s: float = Field(2.0, gt=0, description="Seconds between vLLM readiness probes.")
     affinity_header: str = Field(
         "X-Session-ID", description="Header carrying each request's prefix-affinity key: vllm-router's "
@@ -82,7 +79,7 @@ class VLLMServerSettings(BaseModel):
     dev_mode: bool = Field(False, description="VLLM_SERVER_DEV_MODE=1: enables POST /reset_prefix_cache (bench).")
     detokenizer_prime_tokens: int = Field(
         128, ge=0, description="Prime vLLM's streaming detokenizer with only the prompt's last N tokens, not the "
-        "whole prompt, which it decodes inside every request's TTFT (app.vllm_entry; 0: vLLM unchanged).")
+        "whole prompt, which it decodes inside every request's TTFT (app.vllm.entry; 0: vLLM unchanged).")
     extra_args: list[str] = Field(default_factory=list, description="Further vLLM CLI arguments, passed verbatim.")
 
 
@@ -109,8 +106,8 @@ class GenerationSettings(BaseModel):
         "holds this share of the hits, else the plain top-k is (hits after a long unit would be uncached text).")
     page_extras: int | None = Field(
         None, ge=0, description="document strategy: at most this many of the hits outside a leading page follow it, "
-        "best-ranked first (None: all). Each is uncached text that attends over the whole page: fewer cut the time "
-        "to first token on small models (CPU) and show fewer passages (see README: pages).")
+        "best-ranked first (None: all). Each is uncached text that attends over the whole page: fewer cost less "
+        "prefill and show fewer passages.")
     max_unit_tokens: int = Field(12288, ge=128,
                                  description="document strategy: a bigger parent is cut into aligned windows.")
     warm_kv_share: float = Field(
@@ -125,8 +122,8 @@ class GenerationSettings(BaseModel):
     warm_piece_tokens: int = Field(
         256, ge=0, description="Pre-warm sends a unit in growing pieces, each cut at the first chunk boundary past "
         "this many new prompt tokens (0: whole): vLLM finishes an engine step before it takes a newly arrived "
-        "user request, so the step a warm-up can occupy must be short; each piece reuses what the one before cached. "
-        "On a GPU, 2048 warmed ~3x faster at 10-40 ms more per question asked meanwhile (bench/README.md).")
+        "user request, so the step a warm-up can occupy must be short; larger pieces warm faster, and delay a "
+        "question asked meanwhile more.")
     warm_priority: int = Field(
         10, ge=1, description="vLLM priority of pre-warm requests (user requests: 0; lower goes first). Needs "
         "vLLM started with --scheduling-policy priority, as python -m app.vllm_server does; elsewhere it is dropped.")
@@ -145,10 +142,8 @@ class TrafficSettings(BaseModel):
     """Admission control (429 + Retry-After beyond these) and shutdown. Limits are per app process."""
 
     max_in_flight: int = Field(
-        8, ge=1, description="User requests in the pipeline (retrieval + vLLM) at once. Measured on the 2-core "
-        "CPU test model (bench/results/live-traffic.json: 8 in flight answer ~40 % more than 4 in flight + 4 queued, "
-        "at the same admitted p99). On a GPU more fit, up to what one app process relays: on an H200, 32 answered "
-        "~3x as many but saturated the app's event loop (/healthz p99 0.2-0.4 s); beyond, run more app processes.")
+        8, ge=1, description="User requests in the pipeline (retrieval + vLLM) at once, per app process. More "
+        "fit a GPU, up to what one process relays (docs/benchmarks.md: live traffic).")
     max_queued: int = Field(0, ge=0, description="Requests waiting for a slot; one more is refused with 429 "
                             "(each place adds up to one service time to an admitted request's latency, while a "
                             "place in flight costs little more: vLLM batches it).")

@@ -142,15 +142,16 @@ class StoredDocument:
         return bool(self.doc_hash) and len(self.ids) == self.n_chunks
 
 
-def all_rows(collection, include: list[str]) -> Iterator[dict]:
-    """Every row of the collection, ``PAGE`` rows per read (memory stays flat on large collections)."""
+def all_rows(collection, include: list[str], where: dict | None = None, size: int = PAGE) -> Iterator[dict]:
+    """Every row of the collection (or those matching ``where``), ``size`` rows per read: memory stays flat on
+    large collections, and a reader may hand each page to another thread (``next`` per page)."""
     offset = 0
     while True:
-        page = collection.get(include=include, limit=PAGE, offset=offset)
+        page = collection.get(where=where, include=include, limit=size, offset=offset)
         yield page
-        if len(page["ids"]) < PAGE:
+        if len(page["ids"]) < size:
             return
-        offset += PAGE
+        offset += size
 
 
 def stored_documents(collection) -> dict[str, StoredDocument]:

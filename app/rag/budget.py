@@ -14,7 +14,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
-from app.errors import ContextTooLong
+from app.core.errors import ContextTooLong
 from app.rag.context import ContextChunk
 
 MAX_ROUNDS = 8

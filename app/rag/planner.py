@@ -1,39 +1,74 @@
-"""The configured context strategy at work: resolves ``auto`` (does the corpus fit?) and arranges each
-request's context. Pre-warming what it arranges is ``app.rag.warmup``'s job."""
+"""The configured context strategy at work: arranges each request's context, decides ``auto`` (does the corpus
+fit?) whenever vLLM (re)appears or the collection changes, and plans what pre-warm sends. Sending it is
+``app.runtime.warmup``'s job."""
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from collections import Counter
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 
 from app.core.pages import CHARS_PER_TOKEN
 from app.core.settings import GenerationSettings
+from app.rag.affinity import affinity_key
 from app.rag.budget import TokenEstimator, prompt_chars
 from app.rag.context import ContextChunk, PromptBuilder
+from app.rag.index import CollectionIndex
+from app.rag.seams import LLM
 from app.rag.strategies import QUESTION_HEADROOM_TOKENS, Canonical, ContextStrategy, Corpus, Document, Reuse
 from app.rag.trie import ServedTrie
-from app.rag.units import Hotness, UnitIndex
-from app.rag.upstream import UpstreamInfo
+from app.rag.units import Hotness, UnitIndex, Window, window_of
+from app.vllm.client import UpstreamInfo
 
 log = logging.getLogger("prefixrag.planner")
 MIN_CHUNK_TOKENS = 4  # a rendered chunk is never shorter: its header alone (id, title) takes more
 NEAR_LIMIT = 2.0  # an estimate within this factor of the limit is counted exactly
 
 
+@dataclass
+class CorpusVerdict:
+    chunks: int
+    estimate: int | None = None  # tokens, from characters (None: not read, the count alone ruled it out)
+    tokens: int | None = None  # counted exactly (only when the estimate came near the limit)
+    fits: bool = False
+
+
+@dataclass
+class WarmUnit:
+    """One unit to warm: its prompt in pieces (each extends the one before; the last is the whole unit) and the
+    routing key of the requests that will use it."""
+
+    key: str
+    pieces: list[list[dict]]
+    affinity: str
+
+
+@dataclass
+class WarmPlan:
+    """What pre-warm sends, hottest first: the stable prefix, then units as the plan reads them."""
+
+    prefix: list[dict]
+    units: AsyncIterator[WarmUnit]
+    verdict: CorpusVerdict | None = None
+    planned: int = 0  # units the plan holds so far (it grows as a big document's windows are found)
+    sent: set[str] = field(default_factory=set)
+
+
 class ContextPlanner:
-    def __init__(self, settings: GenerationSettings, retriever, builder: PromptBuilder, llm, collection: str,
-                 estimator: TokenEstimator) -> None:
-        self.settings, self.retriever, self.builder, self.llm = settings, retriever, builder, llm
+    def __init__(self, settings: GenerationSettings, index: CollectionIndex, builder: PromptBuilder, llm: LLM,
+                 collection: str, estimator: TokenEstimator) -> None:
+        self.settings, self.index, self.builder, self.llm = settings, index, builder, llm
         self.estimator = estimator  # learns chars-per-token from what pre-warm sends
         hotness_path = settings.hotness_dir / f"{collection}.json" if settings.hotness_dir else None
         self.hotness = Hotness(hotness_path)
-        self.units = UnitIndex(retriever, settings.max_unit_tokens)
-        self.corpus = Corpus(retriever)
+        self.units = UnitIndex(index, settings.max_unit_tokens)
+        self.corpus = Corpus(index)
         self.strategies: dict[str, ContextStrategy] = {
             "canonical": Canonical(), "reuse": Reuse(ServedTrie()), "corpus": self.corpus,
             "document": Document(self.units, self.hotness, settings.max_units, settings.unit_quorum,
                                  settings.page_extras)}
-        # auto starts as document and becomes corpus once ``decide_corpus`` found that it fits.
+        # auto starts as document and becomes corpus once ``prepare`` found that it fits.
         self.active = self.strategies["document" if settings.strategy == "auto" else settings.strategy]
 
     @property
@@ -56,20 +91,28 @@ class ContextPlanner:
         self.active.served(kept)
 
     def forget_collection(self) -> None:
-        """The collection changed: parents and corpus are re-read on next use (``warm`` re-decides the corpus)."""
+        """The collection changed: parents and corpus are re-read on next use (``prepare`` re-decides)."""
         self.units.forget()
-        self.corpus.chunks, self.corpus.fits = None, False
+        self.corpus.forget()
 
     def close(self) -> None:
         self.hotness.close()
 
+    async def prepare(self, info: UpstreamInfo) -> CorpusVerdict | None:
+        """What vLLM serves now sets the units' size (room for the question and answer) and, for ``corpus``
+        and ``auto``, whether the whole collection fits."""
+        self.units.limit_to((info.max_model_len - self.settings.max_tokens) // 2)
+        if self.settings.strategy not in ("corpus", "auto"):
+            return None
+        return await self.decide_corpus(info)
+
     async def decide_corpus(self, info: UpstreamInfo) -> CorpusVerdict:
         """Does the whole collection fit the window (and, for ``auto``, is it worth it)? Decided from the chunk
         count and the text's size; only a corpus near the limit is counted exactly, so a large collection is
-        never sent to ``/tokenize`` (1.27M tokens took minutes, inside every reload)."""
+        never sent to ``/tokenize``."""
         room = info.max_model_len - self.settings.max_tokens - QUESTION_HEADROOM_TOKENS
         limit = min(room, self.settings.max_unit_tokens) if self.settings.strategy == "auto" else room
-        verdict = CorpusVerdict(chunks=await self.retriever.count())
+        verdict = CorpusVerdict(chunks=await self.index.count())
         if verdict.chunks * MIN_CHUNK_TOKENS <= limit:  # else it cannot fit: no chunk renders under that
             chunks = await self.corpus.load()
             messages = self.builder.messages(chunks, "")
@@ -87,10 +130,84 @@ class ContextPlanner:
                  self.active.name)
         return verdict
 
+    async def warm_plan(self, info: UpstreamInfo) -> WarmPlan:
+        """Decide (``prepare``), then plan: the corpus when it is the context, else every unit, hottest first."""
+        verdict = await self.prepare(info)
+        plan = WarmPlan(self.builder.warmup_messages(), _no_units(), verdict)
+        if self.active is self.corpus and self.corpus.fits:
+            plan.planned, plan.units = 1, self._corpus_unit()
+        elif self.active.name == "document":
+            plan.units = self._document_units(plan)
+        return plan
 
-@dataclass
-class CorpusVerdict:
-    chunks: int
-    estimate: int | None = None  # tokens, from characters (None: not read, the count alone ruled it out)
-    tokens: int | None = None  # counted exactly (only when the estimate came near the limit)
-    fits: bool = False
+    async def _corpus_unit(self) -> AsyncIterator[WarmUnit]:
+        yield self._warm_unit("corpus", self.corpus.chunks or [])
+
+    async def _document_units(self, plan: WarmPlan) -> AsyncIterator[WarmUnit]:
+        """Hottest units first (persisted use; before any traffic: biggest first). A page is one unit; a parent
+        cut into windows is planned as its first window and as each of its windows that was used (hotness
+        counts windows, never their parent). Then every other window of those parents in the same order, so a
+        question about any part of a big document finds it cached."""
+        await self.index.indexes_ready(("pages",))  # which parents are paged (BM25 is not needed)
+        sizes: Counter[str] = Counter()
+        first: dict[str, ContextChunk] = {}
+        for chunk in await self.index.chunks_where(None, texts=False):  # which parents, how big
+            key = self.units.page_of(chunk) or chunk.parent
+            sizes[key] += 1
+            first.setdefault(key, chunk)
+        parents = {chunk.parent for chunk in first.values()}
+        used = {key for key in self.hotness.keys() if (window := window_of(key)) and window.parent_id in parents}
+        order = sorted([*sizes, *used], key=lambda key: (-self.hotness.score(key), -sizes[key], key))
+        plan.planned = len(order)
+        window_size: dict[str, int] = {}  # parent id -> its windows' size, for each parent found cut into windows
+        for key in order:
+            hit = first[key] if key in first else await self.units.window_start(key)  # else a window
+            unit = await self._unit_of(plan, hit, window_size)
+            if unit is not None:
+                yield unit
+        rest = [key for parent in order if parent in window_size  # from the scan's counts: nothing read again
+                for start in range(0, sizes[parent], window_size[parent])
+                if (key := Window(parent, start, window_size[parent]).key) not in plan.sent]
+        plan.planned += len(rest)
+        for key in rest:
+            unit = await self._unit_of(plan, await self.units.window_start(key), window_size)
+            if unit is not None:
+                yield unit
+
+    async def _unit_of(self, plan: WarmPlan, hit: ContextChunk | None,
+                       window_size: dict[str, int]) -> WarmUnit | None:
+        """The unit ``hit`` belongs to, unless it is gone or already planned (a used window that is its
+        parent's first): then it leaves the plan."""
+        if hit is None:
+            plan.planned -= 1
+            return None
+        key, chunks = await self.units.unit_for(hit)
+        if window := window_of(key):
+            window_size[window.parent_id] = window.size
+        if not chunks or key in plan.sent:
+            plan.planned -= 1
+            return None
+        plan.sent.add(key)
+        return self._warm_unit(key, chunks)
+
+    def _warm_unit(self, key: str, chunks: list[ContextChunk]) -> WarmUnit:
+        pieces = [self.builder.messages(chunks[:end], "") for end in self._piece_ends(chunks)]
+        return WarmUnit(key, pieces, affinity_key(chunks))
+
+    def _piece_ends(self, chunks: list[ContextChunk]) -> list[int]:
+        """Where to cut ``chunks``: each piece adds to the one before the chunks up to the first boundary past
+        ``warm_piece_tokens`` (estimated from characters); the last end is the whole unit."""
+        chars_per_token = self.estimator.chars_per_token or CHARS_PER_TOKEN
+        per_piece = self.settings.warm_piece_tokens * chars_per_token
+        ends, grown = [], 0.0
+        for end, chunk in enumerate(chunks, 1):
+            grown += len(chunk.text)
+            if per_piece and grown >= per_piece and end < len(chunks):
+                ends.append(end)
+                grown = 0.0
+        return ends + [len(chunks)]
+
+
+async def _no_units() -> AsyncIterator[WarmUnit]:
+    return
+    yield  # an async generator that yields nothing

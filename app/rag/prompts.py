@@ -60,7 +60,6 @@ class Neutraliser:
 @dataclass(frozen=True)
 class PromptTemplates:
     parts: dict[tuple[str, str], string.Template]
-    source: Path
 
     @classmethod
     def load(cls, directory: Path, name: str = "rag") -> PromptTemplates:
@@ -74,7 +73,7 @@ class PromptTemplates:
         missing = REQUIRED - parts.keys()
         if missing:
             raise TemplateError(f"{path} lacks {sorted('.'.join(m) for m in missing)}")
-        return cls(parts, path)
+        return cls(parts)
 
     def render(self, section: str, key: str, **values: object) -> str:
         try:

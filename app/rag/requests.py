@@ -1,13 +1,13 @@
 """What a request asks for, checked once at the edge into one typed value: ``/ask`` is a one-turn conversation,
-so both endpoints go through the same pipeline (``RAGService``) with the same limits."""
+so both endpoints go through the same pipeline (``app.rag.pipeline``) with the same limits."""
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
 
+from app.core.errors import BadRequest
 from app.core.settings import GenerationSettings
-from app.errors import BadRequest
 from app.rag.conversation import Turn
 
 
@@ -45,8 +45,6 @@ class ChatQuery:
 
     turns: list[Turn]
     system: str = ""
-    top_k: int | None = None
-    source_prefix: str | None = None
     max_tokens: int | None = None
     sampling: Sampling = Sampling()
     received_at: float = field(default_factory=time.perf_counter)
@@ -95,8 +93,8 @@ class RequestRules:
         for number, turn in enumerate(chat.turns):  # every question is retrieved for: each one is checked
             content = self._question(turn.content, f"messages[{number}]") if turn.role == "user" else turn.content
             turns.append(Turn(turn.role, content))
-        return Conversation(tuple(turns), self._top_k(chat.top_k), self._max_tokens(chat.max_tokens), chat.system,
-                            chat.source_prefix, chat.sampling, chat.received_at)
+        return Conversation(tuple(turns), self._top_k(None), self._max_tokens(chat.max_tokens), chat.system,
+                            None, chat.sampling, chat.received_at)
 
     def _question(self, text: object, where: str) -> str:
         question = text.strip() if isinstance(text, str) else ""

@@ -18,6 +18,7 @@ from dataclasses import replace
 from typing import Protocol
 
 from app.rag.context import ContextChunk, canonical
+from app.rag.index import CollectionIndex
 from app.rag.trie import ServedTrie
 from app.rag.units import Hotness, UnitIndex, as_unit, estimate_tokens
 
@@ -153,15 +154,19 @@ class Corpus(Canonical):
 
     name = "corpus"
 
-    def __init__(self, retriever) -> None:
-        self.retriever = retriever
+    def __init__(self, index: CollectionIndex) -> None:
+        self.index = index
         self.chunks: list[ContextChunk] | None = None
         self.fits = False
         self.tokens = 0  # the corpus prompt's size (system + all chunks), measured at warm-up
 
+    def forget(self) -> None:
+        """The collection changed: re-read and re-decided before it is used again."""
+        self.chunks, self.fits, self.tokens = None, False, 0
+
     async def load(self) -> list[ContextChunk]:
         # Parent by parent, each in natural order and rendered as one unit (one header per parent document).
-        chunks = sorted(await self.retriever.chunks_where(None),
+        chunks = sorted(await self.index.chunks_where(None),
                         key=lambda c: (c.parent, c.parent_pos, c.doc_id, c.chunk_index))
         self.chunks = [replace(c, unit=c.parent, retrieved=False) for c in chunks]
         return self.chunks

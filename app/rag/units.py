@@ -16,6 +16,7 @@ from typing import NamedTuple
 
 from app.core.pages import CHARS_PER_TOKEN
 from app.rag.context import ContextChunk
+from app.rag.index import CollectionIndex
 from app.rag.lru import AsyncLRU
 
 log = logging.getLogger("prefixrag.units")
@@ -32,9 +33,13 @@ def estimate_tokens(chunks: list[ContextChunk]) -> int:
 class UnitIndex:
     """Fetches parent documents from Chroma (LRU-cached) and cuts them into units that fit."""
 
-    def __init__(self, retriever, max_unit_tokens: int, cache_size: int = 1024) -> None:
-        self.retriever, self.max_unit_tokens = retriever, max_unit_tokens
+    def __init__(self, index: CollectionIndex, max_unit_tokens: int, cache_size: int = 1024) -> None:
+        self.index, self.configured_max, self.max_unit_tokens = index, max_unit_tokens, max_unit_tokens
         self._parents: AsyncLRU[list[ContextChunk]] = AsyncLRU(cache_size)
+
+    def limit_to(self, tokens: int) -> None:
+        """Units no bigger than ``tokens`` (the served window's room) nor than configured."""
+        self.max_unit_tokens = min(self.configured_max, tokens)
 
     def forget(self) -> None:
         self._parents.clear()
@@ -43,16 +48,16 @@ class UnitIndex:
         return await self._parents.get(parent_id, lambda: self._fetch(parent_id))
 
     async def _fetch(self, parent_id: str) -> list[ContextChunk]:
-        return natural_order(await self.retriever.chunks_where({"parent_id": parent_id}))
+        return natural_order(await self.index.chunks_where({"parent_id": parent_id}))
 
     def page_of(self, chunk: ContextChunk) -> str | None:
         """The page holding this chunk's parent (None: not paged, or the pages are still being loaded)."""
-        index = self.retriever.page_index()
+        index = self.index.page_index()
         return index.page_of(chunk.parent) if index is not None else None
 
     def units_of(self, chunks: list[ContextChunk]) -> list[str]:
         """The distinct units these chunks belong to, in order; a paged document's unit is its page."""
-        index = self.retriever.page_index()  # once, not per chunk
+        index = self.index.page_index()  # once, not per chunk
         units = [(index.page_of(c.parent) if index is not None else None) or c.unit for c in chunks if c.unit]
         return list(dict.fromkeys(units))
 
@@ -67,12 +72,12 @@ class UnitIndex:
         return key, [replace(c, unit=key) for c in chunks]
 
     async def _fetch_page(self, page: str) -> list[ContextChunk]:
-        index = self.retriever.page_index()
+        index = self.index.page_index()
         members = index.pages.get(page, []) if index is not None else []  # None: reloaded since page_of
         if not members:
             return []
         position = {parent: i for i, parent in enumerate(members)}
-        chunks = await self.retriever.chunks_where({"parent_id": {"$in": members}})
+        chunks = await self.index.chunks_where({"parent_id": {"$in": members}})
         ordered = sorted(natural_order(chunks), key=lambda c: position.get(c.parent, len(members)))
         return [replace(c, unit=c.parent) for c in ordered]
 

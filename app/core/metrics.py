@@ -1,0 +1,42 @@
+"""Prometheus metrics of the service (own registry per app, so tests can build many apps)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_LATENCY_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60)
+
+
+class ServiceMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("prefixrag_requests_total", "Requests by endpoint and status.",
+                                ["endpoint", "status"], registry=r)
+        self.latency = Histogram("prefixrag_request_seconds", "End-to-end answer latency.", ["endpoint"],
+                                 buckets=_LATENCY_BUCKETS, registry=r)
+        self.ttft = Histogram("prefixrag_ttft_seconds", "Request received -> first answer token.", ["strategy"],
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("prefixrag_prompt_tokens_total", "Prompt tokens sent to vLLM.",
+                                     ["strategy"], registry=r)
+        self.cached_tokens = Counter("prefixrag_cached_tokens_total", "Prompt tokens vLLM served from cache.",
+                                     ["strategy"], registry=r)
+        self.hit_rate = Gauge("prefixrag_prefix_cache_hit_rate", "cached_tokens / prompt_tokens since start.",
+                              ["strategy"], registry=r)
+        self.prompts_sent = Counter("prefixrag_prompts_total", "Prompts sent to vLLM, by form: token_ids (the head "
+                                    "tokenized here, app.vllm.prompt_ids) or chat (vLLM tokenizes all of it).",
+                                    ["form"], registry=r)
+        self.collection_reloads = Counter("prefixrag_collection_reloads_total",
+                                          "Times an ingest changed the collection and the service reloaded it.",
+                                          registry=r)
+        self._totals: dict[str, list[int]] = {}
+
+    def observe_answer(self, strategy: str, prompt_tokens: int, cached_tokens: int, ttft_s: float | None) -> None:
+        self.prompt_tokens.labels(strategy).inc(prompt_tokens)
+        self.cached_tokens.labels(strategy).inc(cached_tokens)
+        totals = self._totals.setdefault(strategy, [0, 0])
+        totals[0] += prompt_tokens
+        totals[1] += cached_tokens
+        self.hit_rate.labels(strategy).set(totals[1] / totals[0] if totals[0] else 0.0)
+        if ttft_s is not None:
+            self.ttft.labels(strategy).observe(ttft_s)

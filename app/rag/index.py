@@ -1,0 +1,182 @@
+"""The collection as the service reads it: opened lazily, reopened after an ingest, its generation stamp, the
+indexes derived from it (BM25, pages) loaded in the background, and paged reads. Every read runs on a worker
+thread, never on the event loop; background work (pre-warm) reads on a thread of its own, and only while no
+user request is present."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import contextvars
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, TypeVar
+
+from app.core import lexical, pages
+from app.core.errors import StoreUnavailable
+from app.core.records import ChunkRecord
+from app.core.settings import ChromaSettings, PageSettings, RetrievalSettings
+from app.core.store import StoreError, all_rows, forget_clients, open_collection, read_generation
+from app.rag.context import ContextChunk
+from app.rag.seams import Embedder
+
+T = TypeVar("T")
+SOURCES_TTL_S = 60.0  # how long the list of sources (for prefix filters) is reused
+PAGE = 500  # rows per read: one read holds the GIL for tens of ms at most, then a user's request may run
+# Inside background work (pre-warm), how it waits for users to be gone: its store reads then wait for that and
+# use a thread of their own, never the ones that embed and query for users.
+BACKGROUND: contextvars.ContextVar[Callable[[], Awaitable[object]] | None] = contextvars.ContextVar(
+    "background", default=None)
+
+
+class CollectionIndex:
+    def __init__(self, embedder: Embedder, chroma: ChromaSettings, executor: ThreadPoolExecutor,
+                 retrieval: RetrievalSettings | None = None, paging: PageSettings | None = None) -> None:
+        self.embedder, self.chroma, self.executor = embedder, chroma, executor
+        self.retrieval, self.paging = retrieval or RetrievalSettings(), paging or PageSettings()
+        # Background reads (pre-warm scanning the collection) queue here, not ahead of a user's retrieval.
+        self.background_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="background-read")
+        self._collection: Any = None
+        self._sources: tuple[float, list[str]] = (0.0, [])
+        # Indexes derived from the collection as opened (BM25, pages), each loaded or being built.
+        self._derived: dict[str, Future] = {}
+
+    def close(self) -> None:
+        self.background_executor.shutdown(wait=False, cancel_futures=True)
+
+    async def run(self, work: Callable[..., T], *args: Any) -> T:
+        """``work(*args)`` on a worker thread: the users' pool, or (inside background work) the background one
+        once no user request is present."""
+        pool = self.executor
+        if (pause := BACKGROUND.get()) is not None:
+            await pause()
+            pool = self.background_executor
+        return await asyncio.get_running_loop().run_in_executor(pool, work, *args)
+
+    @property
+    def collection(self) -> Any:
+        # Opened lazily and retried per request: the service may start before the first ingest.
+        if self._collection is None:
+            try:
+                self._collection = open_collection(self.chroma, self.embedder, create=False)
+            except StoreError as exc:
+                raise StoreUnavailable(str(exc)) from exc
+        return self._collection
+
+    async def generation(self) -> str | None:
+        """The collection's generation stamp as stored now (None: no collection yet); see ``reopen``."""
+        try:
+            return await self.run(read_generation, self.chroma, self.embedder)
+        except StoreError as exc:
+            raise StoreUnavailable(str(exc)) from exc
+
+    def reopen(self) -> None:
+        """After an ingest changed the collection: open it afresh on the next request (embedded Chroma must
+        reload from disk to see another process's writes)."""
+        if not self.chroma.url:
+            forget_clients()
+        self._collection, self._sources, self._derived = None, (0.0, []), {}
+
+    async def count(self) -> int:
+        """Chunks in the collection (cheap: no documents are read)."""
+        return await self.run(self._count)
+
+    def _count(self) -> int:
+        with chroma_errors("count"):
+            return int(self.collection.count())
+
+    def lexical_index(self, wait: bool = False) -> lexical.LexicalIndex | None:
+        """The BM25 index of the collection as opened: loaded from ingest's files when their stamp matches,
+        else built from Chroma's rows, on the background thread. None while that runs (unless ``wait``)."""
+        return self._index("lexical", lambda c: lexical.current(c, self.chroma, write=False), wait)
+
+    def page_index(self, wait: bool = False) -> pages.PageIndex | None:
+        """The collection's pages (``app.core.pages``), loaded or rebuilt like the BM25 index."""
+        return self._index("pages", lambda c: pages.current(c, self.chroma, self.paging, write=False), wait)
+
+    def indexes_in_use(self) -> tuple[str, ...]:
+        """The derived indexes answers need: pages always (units), BM25 unless retrieval is dense alone."""
+        return ("pages",) if self.retrieval.mode == "dense" else ("lexical", "pages")
+
+    def indexes_loaded(self) -> bool:
+        """Are the derived indexes answers need loaded (False while a start or a reload still loads them)?"""
+        return all(kind in self._derived and self._derived[kind].done() and self._derived[kind].exception() is None
+                   for kind in self.indexes_in_use())
+
+    async def indexes_ready(self, kinds: tuple[str, ...] = ("lexical", "pages")) -> None:
+        """Wait (without blocking the loop) until these derived indexes are loaded or built."""
+        loaders = {"lexical": self.lexical_index, "pages": self.page_index}
+        for kind in kinds:
+            build = loaders[kind]
+            if build() is None:
+                with contextlib.suppress(Exception):  # a failed build raises below, as StoreUnavailable
+                    await asyncio.wrap_future(self._derived[kind])
+                build(True)
+
+    def _index(self, kind: str, build: Callable, wait: bool) -> Any:
+        if kind not in self._derived:
+            self._derived[kind] = self.background_executor.submit(build, self.collection)
+        future = self._derived[kind]
+        if not (wait or future.done()):
+            return None
+        try:
+            return future.result()
+        except Exception as exc:  # an unreadable collection: the next request tries again
+            self._derived.pop(kind, None)
+            raise StoreUnavailable(f"the {kind} index could not be built: {exc}") from exc
+
+    async def chunks_where(self, where: dict | None, texts: bool = True) -> list[ContextChunk]:
+        """All chunks matching a metadata filter (a parent document, or the whole collection), off the loop, a
+        page per call (background work pauses for users between pages); ``texts=False`` reads metadata only
+        (their ``text`` is then empty)."""
+        include = ["documents", "metadatas"] if texts else ["metadatas"]
+        with chroma_errors("read"):
+            rows = all_rows(self.collection, include, where, PAGE)
+            chunks: list[ContextChunk] = []
+            while (page := await self.run(next, rows, None)) is not None:
+                documents = page["documents"] if texts else [""] * len(page["ids"])
+                chunks += [to_chunk(i, text, meta, retrieved=False)
+                           for i, text, meta in zip(page["ids"], documents, page["metadatas"])]
+            return chunks
+
+    def chunks(self, ids: list[str], scores: list[float]) -> list[ContextChunk]:
+        """These chunks read from Chroma, in this order (ids it no longer holds are dropped)."""
+        if not ids:
+            return []
+        with chroma_errors("read"):
+            page = self.collection.get(ids=ids, include=["documents", "metadatas"])
+        rows = {i: (text, meta) for i, text, meta in zip(page["ids"], page["documents"], page["metadatas"])}
+        return [to_chunk(i, *rows[i], score, rank) for rank, (i, score) in enumerate(zip(ids, scores)) if i in rows]
+
+    def sources(self) -> list[str]:
+        """Every source in the collection (read page by page, reused for ``SOURCES_TTL_S``)."""
+        fetched_at, sources = self._sources
+        if time.monotonic() - fetched_at > SOURCES_TTL_S:
+            with chroma_errors("read"):
+                found = {ChunkRecord.from_metadata(meta).source
+                         for page in all_rows(self.collection, ["metadatas"]) for meta in page["metadatas"]}
+            sources = sorted(found)
+            self._sources = (time.monotonic(), sources)
+        return sources
+
+
+@contextlib.contextmanager
+def chroma_errors(action: str) -> Iterator[None]:
+    """Chroma's own errors (a store deleted or rewritten under us) become ``StoreUnavailable``."""
+    try:
+        yield
+    except StoreUnavailable:
+        raise
+    except Exception as exc:
+        raise StoreUnavailable(f"Chroma {action} failed: {exc}") from exc
+
+
+def to_chunk(chunk_id: str, text: str, meta: dict, score: float = 0.0, rank: int = 0,
+             retrieved: bool = True) -> ContextChunk:
+    record = ChunkRecord.from_metadata(meta)
+    return ContextChunk(
+        id=chunk_id, doc_id=record.doc_id, chunk_index=record.chunk_index, text=text, title=record.title,
+        headings=record.headings, score=round(float(score), 4), rank=rank, parent_id=record.parent_id,
+        parent_pos=record.parent_pos, retrieved=retrieved, start=record.start, end=record.end, page=record.page,
+    )

@@ -1,0 +1,218 @@
+"""The request pipeline: one for ``/ask`` (a one-turn conversation) and chat: retrieve -> arrange -> render ->
+fit the budget -> stream from vLLM. FastAPI-free, and free of the monitors around it: admission, vLLM's health
+and reloads are ``app.runtime.service``'s."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, replace
+
+from app.core.errors import BadRequest, ContextTooLong
+from app.core.metrics import ServiceMetrics
+from app.core.settings import GenerationSettings
+from app.rag.affinity import affinity_key
+from app.rag.budget import TokenEstimator
+from app.rag.context import ContextChunk, PromptBuilder
+from app.rag.conversation import Plan, fit_conversation, new_context_per_turn
+from app.rag.index import CollectionIndex
+from app.rag.lru import AsyncLRU
+from app.rag.planner import ContextPlanner
+from app.rag.requests import ChatQuery, Conversation, Query, RequestRules
+from app.rag.retriever import Retriever
+from app.rag.seams import LLM
+from app.vllm.client import Completion, Delta, UpstreamInfo
+from app.vllm.prompt_ids import PromptIds
+
+log = logging.getLogger("prefixrag.pipeline")
+RETRIEVAL_CACHE_SIZE = 1024
+
+
+class Clock:
+    """Marks the stages of one request, all measured from its arrival."""
+
+    def __init__(self, started: float) -> None:
+        self.started, self.marks = started, {"start": started}
+
+    def mark(self, stage: str) -> None:
+        self.marks[stage] = time.perf_counter()
+
+    def times(self, ttft: float, done: float) -> StageTimes:
+        retrieve, assemble = self.marks["retrieve"], self.marks["assemble"]
+        return StageTimes(retrieve=ms(retrieve - self.started), assemble=ms(assemble - retrieve), ttft=ms(ttft),
+                          total=ms(done - self.started))
+
+
+@dataclass(frozen=True)
+class StageTimes:
+    """Milliseconds: retrieval (from arrival), building the prompt, first token and all (from arrival)."""
+
+    retrieve: float
+    assemble: float
+    ttft: float
+    total: float
+
+
+@dataclass
+class Prompt:
+    """A request's prompt as sent: its messages, the conversation plan behind them, the context kept after the
+    budget, the last question's hits, the strategy that arranged it and its routing key."""
+
+    messages: list[dict]
+    plan: Plan
+    kept: list[ContextChunk]
+    hits: list[ContextChunk]
+    strategy: str
+    affinity: str
+
+    @property
+    def context(self) -> list[ContextChunk]:
+        """Every chunk in the prompt, in prompt order."""
+        return [c for earlier in self.plan.contexts[:-1] for c in earlier] + self.kept
+
+    @property
+    def first_context(self) -> list[ContextChunk]:
+        return self.kept if len(self.plan.contexts) == 1 else self.plan.contexts[0]
+
+
+@dataclass
+class Answer:
+    text: str
+    sources: list[ContextChunk]
+    completion: Completion
+    strategy: str
+    timings_ms: StageTimes
+    prompt: Prompt
+
+
+class Pipeline:
+    def __init__(self, settings: GenerationSettings, index: CollectionIndex, retriever: Retriever, llm: LLM,
+                 builder: PromptBuilder, planner: ContextPlanner, estimator: TokenEstimator,
+                 metrics: ServiceMetrics, prompt_ids: PromptIds | None = None) -> None:
+        self.settings, self.index, self.retriever, self.llm = settings, index, retriever, llm
+        self.builder, self.planner, self.estimator = builder, planner, estimator
+        self.metrics, self.prompt_ids = metrics, prompt_ids
+        self.rules = RequestRules(settings)
+        self._retrievals: AsyncLRU[list[ContextChunk]] = AsyncLRU(RETRIEVAL_CACHE_SIZE)
+        self._first_contexts: AsyncLRU[list[ContextChunk]] = AsyncLRU(RETRIEVAL_CACHE_SIZE)
+
+    def ask(self, query: Query, info: Callable[[], UpstreamInfo]) -> AsyncIterator[Delta | Answer]:
+        """``/ask``: a one-turn conversation. Yields answer deltas as vLLM produces them, then one ``Answer``.
+        A bad request raises ``BadRequest`` here, before anything runs; ``info``: what vLLM serves now."""
+        return self._converse(self.rules.ask(query), info)
+
+    def chat(self, chat: ChatQuery, info: Callable[[], UpstreamInfo]) -> AsyncIterator[Delta | Answer]:
+        """A conversation whose prompt extends the previous turn's prompt; the same pipeline as ``/ask``."""
+        return self._converse(self.rules.chat(chat), info)
+
+    def forget(self) -> None:
+        """The collection changed: nothing retrieved or arranged before is used again."""
+        self._retrievals.clear()
+        self._first_contexts.clear()
+
+    async def _converse(self, talk: Conversation, info: Callable[[], UpstreamInfo]) -> AsyncIterator[Delta | Answer]:
+        """Retrieve every question, plan the context (turn 1 by the strategy, later turns only what is new),
+        fit the budget, generate."""
+        served = info()
+        clock = Clock(talk.received_at)
+        retrieved = [await self._retrieve_cached(q, talk.top_k, talk.source_prefix) for q in talk.questions]
+        clock.mark("retrieve")
+        budget = self._budget(served.max_model_len, talk.max_tokens)
+        first = await self._first_context(talk, retrieved[0], budget)
+        plan = Plan(list(talk.turns), new_context_per_turn(first, retrieved[1:]))
+        messages, kept = await fit_conversation(plan, self.builder, self.llm, talk.system, budget, self.estimator)
+        self.planner.served(kept)
+        clock.mark("assemble")
+        # Every turn keyed by turn 1's context, where its prompt starts.
+        prompt = Prompt(messages, plan, kept, retrieved[-1], self.planner.strategy_for(first), affinity_key(first))
+        try:
+            async for event in self._generate(prompt, talk, clock):
+                yield event
+        except ContextTooLong:
+            # The estimate let through a prompt vLLM would not take (vLLM refuses before any token streams):
+            # count exactly, trim, and send once more.
+            prompt.messages, prompt.kept = await fit_conversation(plan, self.builder, self.llm, talk.system,
+                                                                  budget, None)
+            async for event in self._generate(prompt, talk, clock):
+                yield event
+
+    async def _first_context(self, talk: Conversation, ranked: list[ContextChunk], budget: int) -> list[ContextChunk]:
+        """Turn 1's context. A request's first question is arranged by the strategy with what it has learned
+        (hot units first, served paths), and remembered, so ``/ask`` and a chat's first turn share one prompt
+        and the chat's later turns rebuild it exactly; a later turn whose first context was forgotten (evicted,
+        another app process) rebuilds it as a pure function of the hits."""
+        key = (talk.questions[0], talk.top_k, talk.source_prefix, budget)
+        forgotten = len(talk.questions) > 1  # a later turn reaches the planner only when turn 1 was forgotten
+        # Arranged while a reload still loads the pages (documents unpaged): used once, not remembered.
+        return await self._first_contexts.get(key, lambda: self.planner.arrange(
+            ranked, budget, stable=forgotten, scoped=talk.source_prefix is not None),
+            keep=self.index.indexes_loaded)
+
+    async def _retrieve_cached(self, question: str, top_k: int, source_prefix: str | None) -> list[ContextChunk]:
+        # Earlier turns are re-retrieved on every request; an LRU keeps that to one Chroma query per new turn.
+        # A ranking made while a reload still loads BM25 (dense alone) is used once, not remembered.
+        return await self._retrievals.get((question, top_k, source_prefix),
+                                          lambda: self.retriever.retrieve(question, top_k, source_prefix),
+                                          keep=self.index.indexes_loaded)
+
+    async def _generate(self, prompt: Prompt, talk: Conversation, clock: Clock) -> AsyncIterator[Delta | Answer]:
+        sampling = talk.sampling
+        request = self.llm.chat_request(
+            prompt.messages, max_tokens=talk.max_tokens, prefix_key=prompt.affinity,
+            temperature=self.settings.temperature if sampling.temperature is None else sampling.temperature,
+            repetition_penalty=self.settings.repetition_penalty, sampling=self.settings.extra_sampling,
+            **sampling.options())
+        completion, first_token = Completion(), None
+        ids = await self._prompt_ids(prompt, talk)
+        self.metrics.prompts_sent.labels("token_ids" if ids is not None else "chat").inc()
+        async for delta in self.llm.stream_chat(request, completion, ids):
+            first_token = first_token or time.perf_counter()
+            yield delta
+        done = time.perf_counter()
+        self.estimator.observe(prompt.messages, completion.prompt_tokens)
+        ttft = (first_token or done) - clock.started
+        self.metrics.observe_answer(prompt.strategy, completion.prompt_tokens, completion.cached_tokens, ttft)
+        times = clock.times(ttft, done)
+        log.info("answered: strategy=%s prompt=%d cached=%d completion=%d finish=%s ttft_ms=%.0f total_ms=%.0f",
+                 prompt.strategy, completion.prompt_tokens, completion.cached_tokens, completion.completion_tokens,
+                 completion.finish_reason, times.ttft, times.total)
+        yield Answer(text=completion.text, sources=shown_hits(prompt.hits, prompt.context), completion=completion,
+                     strategy=prompt.strategy, timings_ms=times, prompt=prompt)
+
+    async def _prompt_ids(self, prompt: Prompt, talk: Conversation) -> list[int] | None:
+        """The prompt as token ids when its head was seen before (vLLM then need not tokenize it); the head
+        ends after the first turn's opening units, else before the last question."""
+        if self.prompt_ids is None or not self.prompt_ids.active:
+            return None  # off (the default) or no tokenizer here: the lead is not rendered again for nothing
+        return await self.prompt_ids.ids(prompt.messages, self.builder.question(talk.questions[-1]),
+                                         self.builder.lead(prompt.first_context))
+
+    def _budget(self, max_model_len: int, max_tokens: int) -> int:
+        if max_tokens >= max_model_len:
+            raise BadRequest(f"max_tokens ({max_tokens}) must be below the model's context ({max_model_len})",
+                             param="max_tokens")
+        cap = self.settings.context_budget_tokens or max_model_len
+        return min(cap, max_model_len) - max_tokens
+
+
+async def final_answer(events: AsyncIterator[Delta | Answer]) -> Answer:
+    """The ``Answer`` at the end of a stream; the stream is closed here and now (its slot is free on return)."""
+    async with contextlib.aclosing(events):  # type: ignore[type-var]
+        async for event in events:
+            if isinstance(event, Answer):
+                return event
+    raise AssertionError("the stream ended without an Answer")
+
+
+def shown_hits(hits: list[ContextChunk], context: list[ContextChunk]) -> list[ContextChunk]:
+    """The last question's hits as the prompt shows them (alone or inside a unit: that decides their cited
+    id), with this question's scores, most relevant first."""
+    shown = {c.id: c for c in context}
+    found = [replace(shown[c.id], score=c.score, rank=c.rank, retrieved=True) for c in hits if c.id in shown]
+    return sorted(found, key=lambda c: -c.score)
+
+
+def ms(seconds: float) -> float:
+    return round(seconds * 1000, 2)

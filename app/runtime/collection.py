@@ -1,0 +1,70 @@
+"""Is the collection there, and did an ingest change it? A background watcher of its generation stamp: the
+service is not ready while the collection is missing or unreadable, and reloads (and re-warms) when an
+ingest in another process changed it."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+
+from app.core.errors import ServiceError
+from app.rag.index import CollectionIndex
+from app.rag.retriever import Retriever
+
+log = logging.getLogger("prefixrag.collection")
+_UNSEEN = object()
+
+
+class CollectionWatcher:
+    def __init__(self, index: CollectionIndex, retriever: Retriever) -> None:
+        self.index, self.retriever = index, retriever
+        self.problem: str | None = "collection not checked yet"  # why it cannot answer now (None: it can)
+        self._subscribers: list[Callable[[bool], Awaitable[None]]] = []
+
+    def subscribe(self, changed: Callable[[bool], Awaitable[None]]) -> None:
+        """``await changed(rewarm)`` each time an ingest changed the collection (``rewarm``: it still exists)."""
+        self._subscribers.append(changed)
+
+    async def run_forever(self, interval_s: float) -> None:
+        """Poll the generation stamp; when an ingest changed it, call ``changed(rewarm)`` (the service drops
+        everything cached of it: Chroma's embedded state, retrievals, units, the corpus, and re-warms)."""
+        seen: object = _UNSEEN  # the first look only records what start-up already loaded
+        while True:
+            try:
+                seen = await self._look(seen)
+            except ServiceError as exc:
+                if self.problem != exc.message:  # once per state change
+                    log.warning("cannot check the collection for changes: %s", exc.message)
+                self.problem = exc.message
+            await asyncio.sleep(interval_s)
+
+    async def _look(self, seen: object) -> str | None:
+        name = self.index.chroma.collection
+        now = await self.index.generation()
+        if now is None:
+            self.problem = f"collection {name!r} does not exist: ingest documents first"
+        changed = seen is not _UNSEEN and now != seen
+        if changed:
+            if now is None:  # deleted under us: answer 503 from now on, never from a stale handle
+                log.warning("collection %r is gone (store deleted?): requests get 503 until the next ingest", name)
+            else:
+                log.info("collection %r changed (an ingest ran): reloading and re-warming", name)
+            for subscriber in self._subscribers:
+                await subscriber(now is not None)
+        if now is not None:
+            if changed or seen is _UNSEEN:
+                await self._prime()
+            self.problem = None
+        return now
+
+    async def _prime(self) -> None:
+        """Load the vector index and run the encoder once, then wait for the search indexes (BM25, pages): not
+        ready (at start-up, or when the collection appears) until a question would pay for none of them (the
+        first one took 0.6 s against 0.1 s after), nor find them still loading (it would get dense hits alone
+        and its document unpaged, a prompt unlike the next one's). A ready service stays ready through a reload
+        and answers meanwhile."""
+        if self.problem is not None:
+            self.problem = "loading the search indexes"
+        await self.retriever.retrieve("prime the index", 1)
+        await self.index.indexes_ready(self.index.indexes_in_use())

@@ -1,0 +1,69 @@
+"""The service as it runs: the request pipeline behind admission (a slot, or 429 at once), with vLLM's health
+watched around every request, readiness assembled from the monitors, and a reload when an ingest changed the
+collection. Routers call this; FastAPI-free."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncGenerator, AsyncIterator
+
+from app.core.errors import StoreUnavailable, UpstreamUnavailable
+from app.core.metrics import ServiceMetrics
+from app.rag.pipeline import Answer, Pipeline, final_answer
+from app.rag.planner import ContextPlanner
+from app.rag.requests import ChatQuery, Query
+from app.runtime.collection import CollectionWatcher
+from app.runtime.readiness import Readiness
+from app.runtime.traffic import LiveTraffic
+from app.runtime.upstream import Upstream
+from app.runtime.warmup import Warmer
+from app.vllm.client import Delta
+
+log = logging.getLogger("prefixrag.service")
+
+
+class Service:
+    def __init__(self, pipeline: Pipeline, planner: ContextPlanner, traffic: LiveTraffic, upstream: Upstream,
+                 warmer: Warmer, watcher: CollectionWatcher, metrics: ServiceMetrics) -> None:
+        self.pipeline, self.planner, self.traffic, self.upstream = pipeline, planner, traffic, upstream
+        self.warmer, self.watcher, self.metrics = warmer, watcher, metrics
+        watcher.subscribe(self.collection_changed)
+
+    def readiness(self) -> Readiness:
+        """Can it answer now? vLLM's status, not ready while the collection is missing or unreadable; pre-warm's
+        progress and the load are reported, never waited for."""
+        return Readiness(self.upstream.status(), self.watcher.problem, self.warmer.progress, self.traffic.status())
+
+    def answer_stream(self, query: Query) -> AsyncGenerator[Delta | Answer, None]:
+        """``/ask``: deltas as vLLM produces them, then one ``Answer``; ``BadRequest`` at once for a bad query."""
+        return self._admitted(self.pipeline.ask(query, self.upstream.require))
+
+    def chat_stream(self, chat: ChatQuery) -> AsyncGenerator[Delta | Answer, None]:
+        return self._admitted(self.pipeline.chat(chat, self.upstream.require))
+
+    async def answer(self, query: Query) -> Answer:
+        return await final_answer(self.answer_stream(query))
+
+    async def chat(self, chat: ChatQuery) -> Answer:
+        return await final_answer(self.chat_stream(chat))
+
+    async def _admitted(self, events: AsyncIterator[Delta | Answer]) -> AsyncGenerator[Delta | Answer, None]:
+        """Admission (a slot, or 429 at once) around the whole request, and vLLM's health watched."""
+        try:
+            async with self.traffic.slot():
+                async for event in events:
+                    yield event
+        except StoreUnavailable:
+            raise  # Chroma's problem, not vLLM's: the collection watcher keeps readiness for it
+        except UpstreamUnavailable as exc:  # vLLM went away: readiness drops, the monitor re-probes
+            self.upstream.mark_down(exc.message)
+            raise
+
+    async def collection_changed(self, rewarm: bool) -> None:
+        """An ingest changed the collection (or it is gone): drop everything cached of it; re-warm."""
+        self.pipeline.index.reopen()
+        self.pipeline.forget()
+        self.planner.forget_collection()
+        self.metrics.collection_reloads.inc()
+        if rewarm:  # in the background; a deleted collection has nothing to warm
+            self.warmer.restart()

@@ -1,0 +1,134 @@
+"""``build_services(settings)``: the one composition root. It builds every long-lived object once, for the app's
+lifespan, the benchmarks and the tests alike, so all three run the same retrieval threads, clients, pipeline
+and monitors, and none of them reaches inside another to find one."""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from app.core.metrics import ServiceMetrics
+from app.core.settings import GenerationSettings, Settings, TrafficSettings
+from app.rag.budget import TokenEstimator
+from app.rag.context import PromptBuilder
+from app.rag.index import CollectionIndex
+from app.rag.pipeline import Pipeline
+from app.rag.planner import ContextPlanner
+from app.rag.prompts import PromptTemplates
+from app.rag.retriever import Retriever
+from app.rag.seams import Embedder
+from app.runtime.collection import CollectionWatcher
+from app.runtime.service import Service
+from app.runtime.traffic import LiveTraffic
+from app.runtime.upstream import Upstream
+from app.runtime.warmup import Warmer
+from app.vllm.client import LLMClient
+from app.vllm.prompt_ids import PromptIds
+
+
+@dataclass
+class Clients:
+    """What one process holds once, whatever pipelines run over it."""
+
+    settings: Settings
+    executor: ThreadPoolExecutor  # the retrieve threads: question embeddings and Chroma queries
+    embedder: Embedder
+    llm: LLMClient
+    upstream: Upstream
+    index: CollectionIndex
+    retriever: Retriever
+    templates: PromptTemplates
+    prompt_ids: PromptIds  # prompts whose head was seen before go to vLLM as token ids
+
+
+@dataclass
+class Services:
+    """The whole graph: the clients and one configured pipeline with its planner, admission and monitors."""
+
+    clients: Clients
+    metrics: ServiceMetrics
+    builder: PromptBuilder
+    estimator: TokenEstimator
+    planner: ContextPlanner
+    traffic: LiveTraffic
+    pipeline: Pipeline
+    warmer: Warmer
+    watcher: CollectionWatcher
+    service: Service
+
+    @property
+    def settings(self) -> Settings:
+        return self.clients.settings
+
+    @property
+    def upstream(self) -> Upstream:
+        return self.clients.upstream
+
+    @property
+    def llm(self) -> LLMClient:
+        return self.clients.llm
+
+    @property
+    def index(self) -> CollectionIndex:
+        return self.clients.index
+
+    @property
+    def retriever(self) -> Retriever:
+        return self.clients.retriever
+
+    def variant(self, generation: GenerationSettings, traffic: TrafficSettings,
+                metrics: ServiceMetrics) -> Services:
+        """Another pipeline over the same clients (benchmarks: other generation settings and limits)."""
+        return assemble(self.clients, generation, traffic, metrics)
+
+    async def aclose(self) -> None:
+        clients = self.clients
+        self.planner.close()
+        clients.prompt_ids.close()
+        clients.index.close()
+        await clients.llm.aclose()
+        clients.executor.shutdown(wait=False, cancel_futures=True)
+
+
+async def build_services(settings: Settings, *, embedder: Embedder | None = None,
+                         metrics: ServiceMetrics | None = None, llm: LLMClient | None = None) -> Services:
+    """Templates first (a broken one fails fast), then the retrieve threads, the encoder (loaded now, not by the
+    first question; or ``embedder``, shared by tests and benchmarks), the vLLM client (or ``llm``: the one seam
+    where the fast test tier puts its fake vLLM) and monitor, the index and retriever; then the pipeline."""
+    from app.core.embedder import Embedder as Encoder
+    from app.core.embedder import limit_threads
+
+    templates = PromptTemplates.load(settings.service.prompts_dir)
+    # Torch fixes a thread's pool size on first use, hence the initializer (RAG_EMBEDDING__QUERY_THREADS).
+    executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="retrieve", initializer=limit_threads,
+                                  initargs=(settings.embedding.query_threads,))
+    encoder = embedder if embedder is not None else await asyncio.get_running_loop().run_in_executor(
+        executor, lambda: Encoder(settings.embedding).load())
+    llm = llm or LLMClient(settings.vllm)
+    index = CollectionIndex(encoder, settings.chroma, executor, settings.retrieval, settings.pages)
+    upstream = Upstream(llm, settings.vllm)
+    upstream.subscribe(lambda info: llm.use_model(info.model))
+    prompt_ids = PromptIds(settings.vllm, llm)
+    upstream.subscribe(prompt_ids.adopt)
+    clients = Clients(settings, executor, encoder, llm, upstream, index, Retriever(index, encoder, settings.retrieval),
+                      templates, prompt_ids)
+    return assemble(clients, settings.generation, settings.traffic, metrics or ServiceMetrics())
+
+
+def assemble(clients: Clients, generation: GenerationSettings, limits: TrafficSettings,
+             metrics: ServiceMetrics) -> Services:
+    """One configured pipeline over ``clients``, with its planner, admission, pre-warm and collection watcher."""
+    builder = PromptBuilder(clients.templates)
+    # Untrusted text never carries the served tokenizer's special tokens, whatever vLLM serves now.
+    clients.upstream.subscribe(lambda info: builder.inert.use(info.special_tokens))
+    estimator = TokenEstimator()
+    planner = ContextPlanner(generation, clients.index, builder, clients.llm, clients.settings.chroma.collection,
+                             estimator)
+    traffic = LiveTraffic(limits.max_in_flight, limits.max_queued)
+    pipeline = Pipeline(generation, clients.index, clients.retriever, clients.llm, builder, planner, estimator,
+                        metrics, clients.prompt_ids)
+    warmer = Warmer(generation, planner, clients.llm, estimator, clients.upstream, traffic)
+    watcher = CollectionWatcher(clients.index, clients.retriever)
+    service = Service(pipeline, planner, traffic, clients.upstream, warmer, watcher, metrics)
+    return Services(clients, metrics, builder, estimator, planner, traffic, pipeline, warmer, watcher, service)

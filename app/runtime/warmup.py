@@ -1,0 +1,174 @@
+"""Pre-warm: put what requests will ask for into vLLM's prefix cache before they ask, without ever delaying
+one. The lifespan owns one ``Warmer``; it starts when vLLM (re)appears or the collection changes, asks the
+planner for a plan (``ContextPlanner.warm_plan``) and sends it in the background: every warm-up request gives
+way to user traffic (``LiveTraffic.yielding``) and is sent at a lower vLLM priority; the whole run is bounded by
+time and by an absolute token budget besides a KV share. Readiness never waits for it."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from app.core.errors import BadRequest, ServiceError, StoreUnavailable
+from app.core.settings import GenerationSettings
+from app.rag.affinity import affinity_key
+from app.rag.budget import TokenEstimator
+from app.rag.planner import ContextPlanner, WarmPlan, WarmUnit
+from app.rag.seams import LLM
+from app.runtime.traffic import LiveTraffic
+from app.runtime.upstream import Upstream
+from app.vllm.client import UpstreamInfo
+
+log = logging.getLogger("prefixrag.warmup")
+
+
+@dataclass
+class WarmupProgress:
+    state: str = "waiting for vLLM"  # waiting for vLLM | warming | done | stopped: <why> | interrupted: <why>
+    prefix_tokens: int = 0  # the stable prefix (system prompt): warmed first
+    units_planned: int = 0
+    units_warmed: int = 0
+    tokens: int = 0  # prompt tokens sent by this warm-up, all of it
+    token_budget: int = 0
+    seconds: float = 0.0
+    corpus_chunks: int | None = None
+    corpus_tokens: int | None = None  # counted only when the estimate came near the window
+    corpus_fits: bool | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.state == "done"
+
+
+class Warmer:
+    def __init__(self, settings: GenerationSettings, planner: ContextPlanner, llm: LLM, estimator: TokenEstimator,
+                 upstream: Upstream, traffic: LiveTraffic) -> None:
+        self.settings, self.planner, self.llm, self.estimator = settings, planner, llm, estimator
+        self.upstream, self.traffic = upstream, traffic
+        self.progress = WarmupProgress()
+        self.priority = settings.warm_priority  # dropped (0) if vLLM does not schedule by priority
+        # What is cached now, with each prompt's routing key (benchmarks prime their ceiling with it and replay it).
+        self.warmed_prompts: list[tuple[list[dict], str]] = []
+        self._kick = asyncio.Event()
+        self._run: asyncio.Task | None = None
+        self._started = 0.0
+
+    def restart(self) -> None:
+        """Warm again from the start (the collection changed); the run in progress, if any, is dropped."""
+        self._kick.set()
+
+    async def run_forever(self) -> None:
+        """Start a warm-up each time vLLM appears (or restarts) or ``restart`` is called."""
+        appeared, kicked = self.upstream.appeared, self._kick
+        try:
+            while True:
+                waits = [asyncio.ensure_future(appeared.wait()), asyncio.ensure_future(kicked.wait())]
+                try:
+                    await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    for wait in waits:
+                        wait.cancel()
+                appeared.clear()
+                kicked.clear()
+                if self.upstream.info is not None:
+                    await self.stop()
+                    self._run = asyncio.create_task(self.warm(self.upstream.info), name="pre-warm")
+        finally:
+            await self.stop()
+
+    async def stop(self) -> None:
+        if self._run and not self._run.done():
+            self._run.cancel()
+            await asyncio.gather(self._run, return_exceptions=True)
+
+    async def warm(self, info: UpstreamInfo) -> WarmupProgress:
+        """One whole warm-up: the planner decides and plans, then the stable prefix and the units are sent."""
+        self.progress, self.warmed_prompts, self._started = WarmupProgress(state="warming"), [], time.monotonic()
+        self.progress.token_budget = min(int(info.kv_cache_tokens * self.settings.warm_kv_share),
+                                         self.settings.warm_max_tokens)
+        with self.traffic.background():
+            await self._warm_all(info)
+        self.progress.seconds = round(time.monotonic() - self._started, 3)
+        log.info("pre-warm %s: %d/%d units, %d tokens in %.1fs", self.progress.state, self.progress.units_warmed,
+                 self.progress.units_planned, self.progress.tokens, self.progress.seconds)
+        return self.progress
+
+    async def _warm_all(self, info: UpstreamInfo) -> None:
+        try:
+            plan = await self.planner.warm_plan(info)
+            if plan.verdict is not None:
+                verdict = plan.verdict
+                self.progress.corpus_chunks, self.progress.corpus_tokens = verdict.chunks, verdict.tokens
+                self.progress.corpus_fits = verdict.fits
+            self.progress.prefix_tokens = await self._send(plan.prefix, affinity_key([]))
+            await self._warm_units(plan)
+            if self.progress.state == "warming":
+                self.progress.state = "done"
+        except StoreUnavailable as exc:  # the collection watcher restarts us when it is back
+            self.progress.state = f"interrupted: the collection is unavailable ({exc.message})"
+        except ServiceError as exc:  # vLLM went away: it is re-warmed when the monitor sees it back
+            self.progress.state = f"interrupted: {exc.message}"
+        except Exception as exc:  # a bug must not leave "warming" on /readyz forever, nor pass unseen
+            log.exception("pre-warm failed")
+            self.progress.state = f"failed: {type(exc).__name__}: {exc}"
+
+    async def _warm_units(self, plan: WarmPlan) -> None:
+        """Send the plan's units in order, ``warm_concurrency`` at a time, until it ends or a bound stops it."""
+        taking = asyncio.Lock()  # one worker at a time reads the plan (an async generator)
+
+        async def next_unit() -> WarmUnit | None:
+            async with taking:
+                unit = await anext(plan.units, None)
+                self.progress.units_planned = plan.planned
+                return unit
+
+        async def worker() -> None:
+            while self._within_bounds() and (unit := await next_unit()) is not None:
+                for number, piece in enumerate(unit.pieces, 1):
+                    await self._send(piece, unit.affinity, whole=number == len(unit.pieces))
+                self.progress.units_warmed += 1
+
+        await asyncio.gather(*(worker() for _ in range(self.settings.warm_concurrency)))
+        self.progress.units_planned = plan.planned
+
+    def _within_bounds(self) -> bool:
+        """True while pre-warm may send more; else it records which bound stopped it."""
+        if self.progress.tokens >= self.progress.token_budget:
+            return self._stopped(f"token budget ({self.progress.token_budget})")
+        if time.monotonic() - self._started >= self.settings.warm_max_s:
+            return self._stopped(f"time budget ({self.settings.warm_max_s:g} s)")
+        return True
+
+    def _stopped(self, why: str) -> bool:
+        if self.progress.state == "warming":
+            self.progress.state = f"stopped: {why}"
+        return False
+
+    async def _send(self, messages: list[dict], key: str, whole: bool = True) -> int:
+        """One warm-up request (1 output token), yielding to users, routed like the requests that will use its
+        prefix (``key``); returns the prompt tokens vLLM counted. A piece (not ``whole``) only prepares the
+        cache for the next one and is not counted."""
+        response = await self.traffic.yielding(lambda: self._complete(messages, key))
+        tokens: int = response.usage.prompt_tokens  # vLLM counted the prompt it just cached: no /tokenize
+        self.estimator.observe(messages, tokens)
+        if not whole:
+            return tokens
+        self.warmed_prompts.append((messages, key))
+        self.progress.tokens += tokens
+        return tokens
+
+    async def _complete(self, messages: list[dict], key: str) -> Any:
+        request = self.llm.chat_request(messages, max_tokens=1, temperature=0.0, prefix_key=key,
+                                        stream=False, priority=self.priority or None)
+        try:
+            return await self.llm.complete(request)
+        except BadRequest as exc:
+            if not self.priority or "priority" not in exc.message.lower():
+                raise
+            log.warning("vLLM does not schedule by priority (start it with --scheduling-policy priority, as "
+                        "python -m app.vllm_server does): pre-warm still yields to users, at equal priority")
+            self.priority = 0
+            return await self._complete(messages, key)

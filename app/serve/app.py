@@ -1,0 +1,77 @@
+"""``create_app(settings)``: the FastAPI factory. Clients are built once, in ``lifespan``; nothing at import."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+
+from app.core.settings import Settings
+from app.serve.edge import RequestEdge
+from app.serve.http_errors import install_error_handlers
+from app.serve.observability import observe
+
+log = logging.getLogger("prefixrag")
+
+
+def create_app(settings: Settings | None = None, *, embedder=None, llm=None) -> FastAPI:
+    """Build the app. ``embedder`` may be passed in to share one loaded encoder (tests, benchmarks); ``llm``
+    replaces the vLLM client (the fast test tier's fake, ``tests/support/fakes.py``)."""
+    settings = settings or Settings()
+    from app.core.metrics import ServiceMetrics
+    from app.runtime.pauses import GCPauses, LoopLag, freeze_start_up
+
+    metrics = ServiceMetrics()  # built with the app: the HTTP instrumentation below records into it
+    gc_pauses, loop_lag = GCPauses(metrics.registry), LoopLag(metrics.registry)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        from app.runtime.readiness import publish
+        from app.runtime.services import build_services
+
+        services = await build_services(settings, embedder=embedder, metrics=metrics, llm=llm)
+        freeze_start_up()  # before the first request: the collector no longer rescans what lives as long as we do
+        gc_pauses.start()
+        app.state.settings, app.state.upstream, app.state.metrics = settings, services.upstream, metrics
+        app.state.services, app.state.service = services, services.service
+        publish(metrics.registry, services.service.readiness)
+        tasks = [asyncio.create_task(services.upstream.run_forever(), name="vllm-monitor"),
+                 asyncio.create_task(services.warmer.run_forever(), name="warmer"),
+                 asyncio.create_task(services.watcher.run_forever(settings.chroma.poll_s),
+                                     name="collection-watcher"),
+                 asyncio.create_task(loop_lag.run_forever(), name="loop-lag")]
+        log.info("prefixrag serving collection %r from %s; vLLM at %s", settings.chroma.collection,
+                 settings.chroma.url or settings.chroma.path, settings.vllm.url)
+        try:
+            yield
+        finally:
+            for task in tasks:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+            await services.aclose()
+            gc_pauses.stop()
+
+    app = FastAPI(title="prefixrag", version="0.1.0", lifespan=lifespan,
+                  description="Retrieval-augmented answers from vLLM, with prompts built for prefix-cache hits.")
+    install_error_handlers(app)
+    app.add_middleware(RequestEdge, max_body_bytes=settings.service.max_body_bytes, api_key=settings.service.api_key)
+    observe(app, metrics)
+    if settings.service.cors_origins:
+        from starlette.middleware.cors import CORSMiddleware
+
+        # Outermost: a browser's preflight carries no key, and every answer (a 401 or a 429 too) needs the CORS
+        # headers for the calling page to read it, Retry-After and the request id included.
+        app.add_middleware(CORSMiddleware, allow_origins=settings.service.cors_origins, allow_methods=["GET", "POST"],
+                           allow_headers=["*"], expose_headers=["X-Request-ID", "Retry-After"], max_age=600)
+    from app.serve.routers import ask, health, openai_chat, page
+
+    app.include_router(health.router)
+    app.include_router(ask.router)
+    app.include_router(openai_chat.router)
+    app.include_router(page.router)
+    return app

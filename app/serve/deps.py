@@ -1,0 +1,55 @@
+"""Typed dependencies: everything heavy is built once in ``lifespan`` and read from ``app.state`` here."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import Depends, Request
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+
+from app.core.errors import Unauthorized
+from app.core.metrics import ServiceMetrics
+from app.core.settings import Settings
+from app.runtime.service import Service
+from app.serve.edge import key_matches
+
+
+def get_settings(request: Request) -> Settings:
+    return request.app.state.settings
+
+
+def get_service(request: Request) -> Service:
+    return request.app.state.service
+
+
+def get_metrics(request: Request) -> ServiceMetrics:
+    return request.app.state.metrics
+
+
+SettingsDep = Annotated[Settings, Depends(get_settings)]
+ServiceDep = Annotated[Service, Depends(get_service)]
+MetricsDep = Annotated[ServiceMetrics, Depends(get_metrics)]
+
+
+# In the OpenAPI schema as the bearer scheme; absent or not "Bearer" gives None, and the check below answers 401
+# in OpenAI's error shape (HTTPBearer's own error would be FastAPI's, and 403).
+bearer = HTTPBearer(auto_error=False, description="RAG_API_KEY, when the service is started with one.")
+
+
+def holds_key(settings: SettingsDep,
+              credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]) -> bool:
+    """The caller may pass: no RAG_API_KEY is set, or it sent that key (compared in constant time)."""
+    expected = settings.service.api_key
+    return not expected or (credentials is not None and key_matches(credentials.credentials, expected))
+
+
+HoldsKey = Annotated[bool, Depends(holds_key)]
+
+
+def require_api_key(allowed: HoldsKey) -> None:
+    """Requests with a body were already checked at the edge (``app.serve.edge``), before their body was read."""
+    if not allowed:
+        raise Unauthorized("missing or invalid API key: send 'Authorization: Bearer <RAG_API_KEY>'")
+
+
+Authorized = Depends(require_api_key)

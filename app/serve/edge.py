@@ -1,0 +1,76 @@
+"""The request edge, before any route runs: a request that carries a body is authenticated first and its body
+is read only up to a limit, so a keyless or oversized upload costs neither memory nor parsing.
+
+Pure ASGI (no BaseHTTPMiddleware): the body is never buffered here, only counted as it streams through.
+"""
+
+from __future__ import annotations
+
+import hmac
+
+from starlette.datastructures import Headers
+from starlette.exceptions import HTTPException
+from starlette.responses import JSONResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from app.serve.protocol import error_body
+
+BODYLESS = frozenset({"GET", "HEAD", "OPTIONS", "DELETE"})
+
+
+def key_matches(token: str, expected: str) -> bool:
+    return hmac.compare_digest(token.strip().encode(), expected.encode())  # constant time
+
+
+def bearer_ok(authorization: str, expected: str) -> bool:
+    """``Authorization: Bearer <key>`` with the expected key."""
+    scheme, _, token = authorization.partition(" ")
+    return scheme.lower() == "bearer" and key_matches(token, expected)
+
+
+def unauthorized() -> JSONResponse:
+    return JSONResponse(error_body("missing or invalid API key: send 'Authorization: Bearer <RAG_API_KEY>'",
+                                   "authentication_error", None, "invalid_api_key"),
+                        status_code=401, headers={"WWW-Authenticate": "Bearer"})
+
+
+def too_large(limit: int) -> HTTPException:
+    return HTTPException(413, f"request body over the limit of {limit} bytes (RAG_SERVICE__MAX_BODY_BYTES)")
+
+
+class RequestEdge:
+    def __init__(self, app: ASGIApp, *, max_body_bytes: int, api_key: str | None) -> None:
+        self.app, self.max_body_bytes, self.api_key = app, max_body_bytes, api_key
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] in BODYLESS:
+            await self.app(scope, receive, send)
+            return
+        headers = Headers(scope=scope)
+        if self.api_key and not bearer_ok(headers.get("authorization", ""), self.api_key):
+            await unauthorized()(scope, receive, send)  # the body is never read
+            return
+        declared = headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > self.max_body_bytes:
+            await self._refuse(scope, receive, send)
+            return
+        await self.app(scope, self._counted(receive), send)
+
+    def _counted(self, receive: Receive) -> Receive:
+        seen = 0
+
+        async def counted() -> Message:
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.max_body_bytes:  # a chunked body that says nothing of its size
+                raise too_large(self.max_body_bytes)  # FastAPI re-raises HTTPException from body reading
+            return message
+
+        return counted
+
+    async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
+        exc = too_large(self.max_body_bytes)
+        response = JSONResponse(error_body(exc.detail, "invalid_request_error", None, "request_too_large"),
+                                status_code=413, headers={"Connection": "close"})
+        await response(scope, receive, send)

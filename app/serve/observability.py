@@ -1,0 +1,47 @@
+"""What the service tells its operators, beyond its own metrics (``app.core.metrics``): every request counted and
+timed by route, method and exact status (streams included), a request id on every response and log line, and
+logs that say what happened rather than that a probe came by."""
+
+from __future__ import annotations
+
+import logging
+
+from asgi_correlation_id import CorrelationIdFilter, CorrelationIdMiddleware
+from fastapi import FastAPI
+from prometheus_fastapi_instrumentator import Instrumentator
+
+REQUEST_ID_HEADER = "X-Request-ID"
+PROBES = frozenset({"/healthz", "/readyz", "/metrics"})
+LOG_FORMAT = "%(asctime)s %(levelname)s [%(correlation_id)s] %(name)s: %(message)s"
+
+
+def observe(app: FastAPI, metrics) -> None:
+    """HTTP metrics into the service's registry (``http_requests_total{handler,method,status}``,
+    ``http_request_duration_seconds``), then the request id, outermost, so that even a request the edge refuses
+    (401, 413) gets one. A client's own id (any printable text up to 128 characters) is kept."""
+    Instrumentator(should_group_status_codes=False, registry=metrics.registry).instrument(app)
+    app.add_middleware(CorrelationIdMiddleware, header_name=REQUEST_ID_HEADER,
+                       validator=lambda value: 0 < len(value) <= 128 and value.isprintable())
+
+
+def configure_logging(level: int = logging.INFO) -> None:
+    """The entry point's logging: the request id on every line; probe access lines only when they fail; httpx's
+    per-request lines off (our monitors log state changes instead)."""
+    handler = logging.StreamHandler()
+    handler.addFilter(CorrelationIdFilter(default_value="-"))
+    handler.setFormatter(logging.Formatter(LOG_FORMAT))
+    logging.basicConfig(level=level, handlers=[handler])
+    logging.getLogger("uvicorn.access").addFilter(QuietProbes())
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+
+
+class QuietProbes(logging.Filter):
+    """Drop uvicorn's access line for a successful health, readiness or metrics probe: a load balancer polling
+    every few seconds would otherwise write most of the log."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args if isinstance(record.args, tuple) else ()
+        if len(args) == 5:  # (client, method, path, http version, status): uvicorn's access record
+            path, status = str(args[2]).split("?")[0], int(str(args[4]))
+            return not (path in PROBES and status < 400)
+        return True

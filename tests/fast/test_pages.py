@@ -1,0 +1,43 @@
+"""Pages (``app.core.pages``): small documents grouped by meaning into stable units, and the document strategy
+putting a question's page first. Real parts: the packaged embedder, on-disk Chroma, the CPU test model."""
+
+from __future__ import annotations
+
+from app.core import pages
+from ingest.pipeline import run_ingest
+from tests.support.corpora import collection_of, write_notes
+
+PAGE_TOKENS = 512  # ~2K characters: the 35 paragraphs of write_notes make half a dozen pages or so
+
+
+def paged(settings):
+    settings.pages.tokens = PAGE_TOKENS
+    return settings
+
+
+def stored_parents(settings, embedder) -> set[str]:
+    return {m["parent_id"] for m in collection_of(settings, embedder).get(include=["metadatas"])["metadatas"]}
+
+
+def test_the_same_corpus_gives_the_same_pages_and_a_re_ingest_moves_no_document(tmp_path, settings_factory,
+                                                                               embedder):
+    notes = write_notes(tmp_path / "docs", skip={5, 6, 7})
+    first = paged(settings_factory(path=tmp_path / "one"))
+    second = paged(settings_factory(path=tmp_path / "two"))
+    for settings in (first, second):
+        run_ingest([tmp_path / "docs"], settings, embedder)
+    before, again = (pages.load(pages.path_of(s.chroma)) for s in (first, second))
+    assert before.pages == again.pages and len(before.pages) > 3  # two fresh ingests, one grouping
+    assert {p for members in before.pages.values() for p in members} == set(notes) == stored_parents(first, embedder)
+    for members in before.pages.values():
+        assert sum(len(notes[p]) for p in members) / pages.CHARS_PER_TOKEN <= PAGE_TOKENS
+
+    write_notes(tmp_path / "docs", skip={9})  # three documents come (back), one goes
+    run_ingest([tmp_path / "docs"], first, embedder)
+    after = pages.load(pages.path_of(first.chroma))
+    for key, members in before.pages.items():  # nobody moved: each page kept its documents, in order
+        kept = [p for p in members if p != "para-009"]
+        assert after.pages[key][:len(kept)] == kept
+    placed = {p for members in after.pages.values() for p in members}
+    assert placed == stored_parents(first, embedder) and "para-009" not in placed
+    assert {"para-005", "para-006", "para-007"} <= placed

@@ -1,0 +1,108 @@
+"""Dense, lexical and hybrid retrieval over a real collection (the project's docs, ingested with the real
+embedder into on-disk Chroma, the BM25 index saved beside it by ingest); and BM25 kept off the GPU where jax is
+installed."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from app.rag.retriever import Retriever
+from tests.support.corpora import app_settings
+
+IDENTIFIER = "prefix_cache_hits_total"  # a vLLM counter named once in examples/docs/operations.md
+
+
+@pytest.fixture
+def retriever(collections, embedder):
+    settings = app_settings(collections, "http://unused/v1", collection="project-docs")
+    found = Retriever.over(embedder, settings.chroma, ThreadPoolExecutor(2), settings.retrieval)
+    found.index.lexical_index(wait=True)
+    yield found
+    found.index.close()
+
+
+def test_lexical_and_hybrid_find_an_exact_identifier_that_dense_misses(retriever):
+    def first(mode: str):
+        return retriever.retrieve_sync(IDENTIFIER, 1, mode=mode)[0]
+
+    assert IDENTIFIER not in first("dense").text, "the premise: embeddings rank another chunk first"
+    assert IDENTIFIER in first("lexical").text
+    assert IDENTIFIER in first("hybrid").text
+
+
+def test_hybrid_ranking_is_the_same_every_time_and_from_a_rebuilt_index(retriever, collections, embedder, tmp_path):
+    questions = ["How does pre-warm avoid delaying users?", "What does /readyz report?", IDENTIFIER]
+    first = [[c.id for c in retriever.retrieve_sync(q, 5, mode="hybrid")] for q in questions]
+    again = [[c.id for c in retriever.retrieve_sync(q, 5, mode="hybrid")] for q in questions]
+    settings = app_settings(collections, "http://unused/v1", collection="project-docs")
+    settings.chroma.lexical_dir = tmp_path / "none-saved"  # no saved index here: built from Chroma's rows
+    rebuilt = Retriever.over(embedder, settings.chroma, ThreadPoolExecutor(1), settings.retrieval)
+    assert rebuilt.index.lexical_index(wait=True).ids, "built in memory"
+    assert first == again == [[c.id for c in rebuilt.retrieve_sync(q, 5, mode="hybrid")] for q in questions]
+    rebuilt.index.close()
+
+
+def test_a_source_filter_applies_to_both_rankings(retriever):
+    for mode in ("dense", "lexical", "hybrid"):
+        found = retriever.retrieve_sync("How is the prompt kept stable for the prefix cache?", 5,
+                                        source_prefix="architecture", mode=mode)
+        assert found and all(c.doc_id.startswith("architecture") for c in found), mode
+        assert not retriever.retrieve_sync(IDENTIFIER, 5, source_prefix="architecture", mode="lexical")
+
+
+def test_a_chunk_deleted_after_the_index_was_built_is_left_out_not_an_error(tmp_path, embedder):
+    from ingest.pipeline import run_ingest
+    from tests.support.corpora import collection_of
+    from tests.support.env import ROOT
+
+    settings = app_settings(tmp_path / "chroma", "http://unused/v1", collection="docs")
+    run_ingest([ROOT / "examples" / "docs"], settings, embedder)
+    retriever = Retriever.over(embedder, settings.chroma, ThreadPoolExecutor(1), settings.retrieval)
+    target = next(c for c in retriever.retrieve_sync(IDENTIFIER, 3, mode="lexical") if IDENTIFIER in c.text)
+    retriever.index.lexical_index(wait=True)  # the index now holds the target
+    collection_of(settings, embedder).delete(ids=[target.id])  # behind the service's back, no new stamp yet
+    found = retriever.retrieve_sync(IDENTIFIER, 5, mode="hybrid")
+    assert found and target.id not in {c.id for c in found}
+    assert [c.rank for c in found] == list(range(len(found)))
+    retriever.index.close()
+
+
+# A stand-in for jax (not installed on CPU machines; on GPU machines it often is, and bm25s then uses it): it logs
+# the platform it was given and every top-k it is asked for.
+JAX_STUB = """import os
+open(os.environ['JAX_STUB_LOG'], 'w').write(f"platforms={os.environ.get('JAX_PLATFORMS')}\\n")
+"""
+LAX_STUB = """import os
+import numpy as np
+def top_k(scores, k):
+    open(os.environ['JAX_STUB_LOG'], 'a').write('top_k\\n')
+    order = np.argsort(-np.asarray(scores))[:k]
+    return np.asarray(scores)[order], order
+"""
+BM25_SCRIPT = """from app.core import lexical
+bm25 = lexical._bm25s().BM25()
+bm25.index(lexical.tokenize(["sys_path_init sets the search path", "the collector frees cycles", "asyncio"]),
+           show_progress=False)
+print(lexical.LexicalIndex("g", ["a", "b", "c"], ["s"] * 3, bm25).search("configure sys_path_init", 2))
+"""
+
+
+def test_bm25_keeps_an_installed_jax_off_the_gpu_and_selects_with_numpy(tmp_path):
+    from tests.support.env import ROOT
+
+    (tmp_path / "jax").mkdir()
+    (tmp_path / "jax" / "__init__.py").write_text(JAX_STUB)
+    (tmp_path / "jax" / "lax.py").write_text(LAX_STUB)
+    log = tmp_path / "jax.log"
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"} | {
+        "PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}", "JAX_STUB_LOG": str(log)}
+    found = subprocess.run([sys.executable, "-c", BM25_SCRIPT], env=env, cwd=ROOT, capture_output=True, text=True,
+                           check=True).stdout
+    assert found.startswith("[('a', ")
+    # bm25s's own top-k at import (on the CPU platform), none per query
+    assert log.read_text().splitlines() == ["platforms=cpu", "top_k"]

@@ -1,0 +1,56 @@
+"""The chat page in a real browser: Debian's chromium, driven headless by Playwright (no browser download)."""
+
+from __future__ import annotations
+
+import pytest
+
+from app.serve.app import create_app
+from tests.support.corpora import app_settings
+from tests.support.servers import AppServer, browser_page
+
+pytestmark = pytest.mark.vllm
+
+
+@pytest.fixture
+def page():
+    with browser_page() as opened:
+        yield opened
+
+
+def test_ask_on_the_page_streams_an_answer_with_sources(page, collections, vllm_url, embedder, tmp_path):
+    settings = app_settings(collections, vllm_url, collection="project-docs", top_k=3, max_tokens=24)
+    with AppServer(create_app(settings, embedder=embedder)) as server:
+        server.wait_ready()
+        page.goto(server.url + "/")
+        page.fill("#question", "How does prefixrag order retrieved chunks?")
+        page.click("#send")
+        answer = page.locator(".turn.assistant").last
+        answer.locator(".sources li").first.wait_for(timeout=60_000)
+        assert answer.locator(".text").inner_text().strip()
+        assert answer.locator(".sources li").count() == 3
+        assert "cached tokens:" in answer.locator(".meta").inner_text()
+        first_source = answer.locator(".sources li").first
+        assert not first_source.locator(".snippet").is_visible()
+        first_source.locator("summary").click()  # a source opens to show its text
+        assert len(first_source.locator(".snippet").inner_text()) > 40
+        # The test model's text is noise (no citations in it): a citation is linked the way the page does it.
+        linked = page.evaluate("""() => {
+            const text = document.createElement("div"), source = document.createElement("details");
+            text.textContent = "See [docs/a.md::1] and [elsewhere].";
+            document.body.append(text, source);
+            linkCitations(text, new Map([["docs/a.md::1", source]]));
+            text.querySelector("a.cite").click();
+            return [text.querySelectorAll("a.cite").length, source.open, text.textContent];
+        }""")
+        assert linked == [1, True, "See [docs/a.md::1] and [elsewhere]."]
+        page.fill("#question", "And where does the question go?")
+        page.click("#send")
+        page.locator(".turn.assistant").nth(1).locator(".meta").wait_for(timeout=60_000)
+        assert page.locator(".turn.user").count() == 2
+        page.screenshot(path=str(tmp_path / "chat.png"), full_page=True)
+        server_stopped_page = page
+    # With the server gone the page shows the failure in the conversation instead of hanging.
+    server_stopped_page.fill("#question", "Still there?")
+    server_stopped_page.click("#send")
+    page.locator(".turn.error").wait_for(timeout=30_000)
+    assert "Error" in page.locator(".turn.error .text").inner_text()
