@@ -14,11 +14,12 @@ from pydantic import BaseModel
 
 from app.core.settings import Settings
 
-PAGE = Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
+ROOT = Path(__file__).resolve().parent.parent
+PAGE = ROOT / "docs" / "configuration.md"
 HEAD = """# Configuration
 
 One pydantic-settings object, `app/core/settings.py`: environment variables under the prefix `RAG_`, nested sections
-joined by `__` (`RAG_GENERATION__MAX_TOKENS=128`), a `.env` file in the working directory read too, and every value
+joined by `__` (`RAG_LIMITS__MAX_TOKENS=128`), a `.env` file in the working directory read too, and every value
 validated at start-up (a bad one stops the process with one line naming it). The everyday ones also have a flat
 alias (`RAG_VLLM_URL`, `RAG_CHROMA_PATH`, `RAG_COLLECTION`, `RAG_MODEL`, `RAG_TOP_K`, `RAG_API_KEY`).
 `python -m app --help`, `python -m ingest --help` and `python -m app.vllm_server --help` list the flags that override
@@ -36,6 +37,8 @@ def rows(model: type[BaseModel], prefix: str) -> list[tuple[str, str, str]]:
             found += rows(kind, f"{prefix}{name.upper()}__")
             continue
         default = field.get_default(call_default_factory=True)
+        if isinstance(default, Path) and default.is_relative_to(ROOT):  # the checkout's own folder, wherever it is
+            default = default.relative_to(ROOT)
         found.append((f"{prefix}{name.upper()}", "" if default is None else f"`{default}`",
                       (field.description or "").replace("|", "\\|")))
     return found
