@@ -24,22 +24,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from app.core.settings import Settings
+    from app.core.settings import Settings, environment_of, invalid_setting, overridden
     from app.serve.observability import configure_logging
 
     args = parse_args(argv)
-    # Flags become the settings' own variables, so a --reload worker process reads them too.
-    os.environ.update({k: str(v) for k, v in {"RAG_SERVICE__HOST": args.host, "RAG_SERVICE__PORT": args.port}.items()
-                       if v is not None})
+    flags = {"service.host": args.host, "service.port": args.port}
     try:
-        settings = Settings()
+        settings = overridden(Settings(), flags)
     except ValidationError as exc:
-        first = exc.errors()[0]
-        print(f"error: invalid setting {'.'.join(map(str, first['loc']))}: {first['msg']}", file=sys.stderr)
+        print(f"error: {invalid_setting(exc)}", file=sys.stderr)
         return 2
     configure_logging()
     # SIGTERM: stop accepting, let requests in flight finish for drain_s, then cut them off (closing their
     # vLLM requests, which vLLM then aborts) and exit.
+    if args.reload:  # a --reload worker is another process: it reads the flags from the environment
+        os.environ.update(environment_of(flags))
     app = "app.serve.app:create_app" if args.reload else _create(settings)
     # log_config=None: uvicorn's lines go through ours (request id, quiet probes).
     uvicorn.run(app, factory=args.reload, reload=args.reload, host=settings.service.host,

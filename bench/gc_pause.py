@@ -52,7 +52,7 @@ async def measure(args: argparse.Namespace, freeze: bool) -> dict:
 
     settings = Settings(_env_file=None)
     settings.chroma.path, settings.chroma.collection = args.chroma, args.collection
-    settings.generation.hotness_dir = None
+    settings.context.hotness_dir = None
     services = await build_services(settings)
     if freeze:
         freeze_start_up()  # where the app's lifespan calls it: after the graph is built

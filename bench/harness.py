@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from app.core.metrics import ServiceMetrics
-from app.core.settings import GenerationSettings, Settings, TrafficSettings, VLLMSettings
+from app.core.settings import Settings, VLLMSettings, overridden, setting_named
 from app.rag.retriever import Retriever
 from app.runtime.services import Services, build_services
 from app.runtime.upstream import Upstream
@@ -68,16 +68,16 @@ class Harness:
         await self.fleet.aclose()
 
     def service(self, mode: str) -> Services:
-        """``mode`` is a strategy name, or ``prefixrag`` (the service default), optionally with generation
-        settings after colons: ``document:unit_quorum=1``."""
+        """``mode`` is a strategy name, or ``prefixrag`` (the service default), optionally with settings after
+        colons, each named by its field: ``document:unit_quorum=1``, ``document:warm_piece_tokens=2048``."""
         name, *overrides = mode.split(":")
-        strategy = self.settings.generation.strategy if name == "prefixrag" else name
-        values = self.settings.generation.model_dump() | dict(o.split("=", 1) for o in overrides) | {
-            "strategy": strategy, "top_k": self.args.top_k, "max_tokens": self.args.max_tokens, "hotness_dir": None}
-        generation = GenerationSettings.model_validate(values)
+        strategy = self.settings.context.strategy if name == "prefixrag" else name
         # The benchmark measures the pipeline at its own concurrency: admission control never refuses it.
-        limits = TrafficSettings(max_in_flight=self.args.concurrency, max_queued=self.args.concurrency)
-        return self.services.variant(generation, limits, ServiceMetrics())
+        values = {"context.strategy": strategy, "context.hotness_dir": "", "limits.top_k": self.args.top_k,
+                  "limits.max_tokens": self.args.max_tokens, "traffic.max_in_flight": self.args.concurrency,
+                  "traffic.max_queued": self.args.concurrency}
+        values |= {setting_named(key): value for key, value in (o.split("=", 1) for o in overrides)}
+        return self.services.variant(overridden(self.settings, values), ServiceMetrics())
 
     async def run_mode(self, mode: str, stream, earlier: list[dict]) -> dict:
         await self.fleet.reset()  # no mode profits from another's cache (each replica's, behind a router)

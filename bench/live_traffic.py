@@ -116,7 +116,7 @@ def run_with_app(args, vllm_url: str, collection: str, drawn: tuple[list[str], l
 
     port = free_port()
     env = {"RAG_VLLM_URL": vllm_url, "RAG_CHROMA_PATH": str(args.chroma), "RAG_COLLECTION": collection,
-           "RAG_GENERATION__HOTNESS_DIR": str(tmp / "hotness")}
+           "RAG_CONTEXT__HOTNESS_DIR": str(tmp / "hotness")}
     started = time.monotonic()
     app = app_child(tmp / "app.log", env, port).start()
     _renice(5)

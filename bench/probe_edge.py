@@ -133,8 +133,8 @@ def main(argv: list[str] | None = None) -> int:
         result = {"big_document": big_document_ingest(tmp)}
         port = free_port()
         env = {"RAG_API_KEY": KEY, "RAG_VLLM_URL": vllm, "RAG_CHROMA_PATH": str(tmp / "big-chroma"),
-               "RAG_COLLECTION": "big", "RAG_GENERATION__MAX_TOKENS": "8",
-               "RAG_GENERATION__HOTNESS_DIR": str(tmp / "hot")}
+               "RAG_COLLECTION": "big", "RAG_LIMITS__MAX_TOKENS": "8",
+               "RAG_CONTEXT__HOTNESS_DIR": str(tmp / "hot")}
         app = app_child(tmp / "app.log", env, port).start()
         try:
             app.wait_for(f"http://127.0.0.1:{port}/healthz", 300)

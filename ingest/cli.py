@@ -35,20 +35,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def settings_from(args: argparse.Namespace):
-    from app.core.settings import Settings
+    from app.core.settings import Settings, overridden
 
     settings = Settings()
-    chroma = settings.chroma.model_dump()
-    if args.collection:
-        chroma["collection"] = args.collection
-    if args.chroma_path:
-        chroma |= {"path": args.chroma_path, "url": None}
-    if args.chroma_url:
-        chroma["url"] = args.chroma_url
-    settings.chroma = type(settings.chroma).model_validate(chroma)
-    if args.parent_field:
-        settings.chunking.parent_field = args.parent_field
-    return settings
+    if args.chroma_path and not args.chroma_url:  # a folder asked for: not the server the environment names
+        settings = overridden(settings, {"chroma.url": ""})
+    return overridden(settings, {"chroma.collection": args.collection, "chroma.path": args.chroma_path,
+                                 "chroma.url": args.chroma_url, "chunking.parent_field": args.parent_field})
 
 
 def _interrupt(signum, frame) -> None:
@@ -65,6 +58,7 @@ def main(argv: list[str] | None = None) -> int:
         from pydantic import ValidationError
 
         from app.core.embedder import Embedder
+        from app.core.settings import invalid_setting
         from app.core.store import StoreError
         from ingest.pipeline import run_ingest
 
@@ -81,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return EXIT_INTERRUPTED
     except (StoreError, FileNotFoundError, ValidationError, ValueError) as exc:
-        message = str(exc).splitlines()[0] if not isinstance(exc, ValidationError) else _one_line(exc)
+        message = invalid_setting(exc) if isinstance(exc, ValidationError) else str(exc).splitlines()[0]
         print(f"error: {message}", file=sys.stderr)
         return EXIT_FATAL
     if args.json:
@@ -90,7 +84,3 @@ def main(argv: list[str] | None = None) -> int:
         print(report.summary())
     return EXIT_SOME_FAILED if report.failed else EXIT_OK
 
-
-def _one_line(exc) -> str:
-    first = exc.errors()[0]
-    return f"invalid setting {'.'.join(map(str, first['loc']))}: {first['msg']}"

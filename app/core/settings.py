@@ -6,9 +6,10 @@ so the common knobs need no double underscores.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 
-from pydantic import AliasChoices, Field, model_validator
+from pydantic import AliasChoices, BaseModel, Field, ValidationError, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from app.core.settings_corpus import (
@@ -21,17 +22,21 @@ from app.core.settings_corpus import (
     RetrievalSettings,
 )
 from app.core.settings_serving import (
-    GenerationSettings,
+    ContextSettings,
+    RequestLimits,
+    SamplingSettings,
     ServiceSettings,
     TrafficSettings,
     VLLMServerSettings,
     VLLMSettings,
+    WarmupSettings,
 )
 
 __all__ = [
-    "PACKAGED_EMBEDDER", "ChromaSettings", "ChunkSettings", "EmbeddingSettings", "GenerationSettings",
-    "IngestSettings", "PageSettings", "RetrievalSettings", "ServiceSettings", "Settings", "TrafficSettings",
-    "VLLMServerSettings", "VLLMSettings",
+    "PACKAGED_EMBEDDER", "ChromaSettings", "ChunkSettings", "ContextSettings", "EmbeddingSettings", "IngestSettings",
+    "PageSettings", "RequestLimits", "RetrievalSettings", "SamplingSettings", "ServiceSettings", "Settings",
+    "TrafficSettings", "VLLMServerSettings", "VLLMSettings", "WarmupSettings", "environment_of", "invalid_setting",
+    "overridden", "setting_named",
 ]
 
 
@@ -48,7 +53,10 @@ class Settings(BaseSettings):
     ingest: IngestSettings = Field(default_factory=IngestSettings, description="Ingest pipeline.")
     vllm: VLLMSettings = Field(default_factory=VLLMSettings, description="Upstream vLLM server.")
     vllm_server: VLLMServerSettings = Field(default_factory=VLLMServerSettings, description="vLLM launcher.")
-    generation: GenerationSettings = Field(default_factory=GenerationSettings, description="Retrieval + generation.")
+    limits: RequestLimits = Field(default_factory=RequestLimits, description="Request limits and defaults.")
+    context: ContextSettings = Field(default_factory=ContextSettings, description="Context strategy and units.")
+    warmup: WarmupSettings = Field(default_factory=WarmupSettings, description="Pre-warm.")
+    sampling: SamplingSettings = Field(default_factory=SamplingSettings, description="Answer sampling.")
     service: ServiceSettings = Field(default_factory=ServiceSettings, description="HTTP service.")
     traffic: TrafficSettings = Field(default_factory=TrafficSettings, description="Admission control, shutdown.")
 
@@ -60,7 +68,7 @@ class Settings(BaseSettings):
                                    description="= chroma.collection")
     vllm_url: str | None = Field(None, validation_alias=AliasChoices("RAG_VLLM_URL"), description="= vllm.url")
     model: str | None = Field(None, validation_alias=AliasChoices("RAG_MODEL"), description="= vllm.model")
-    top_k: int | None = Field(None, validation_alias=AliasChoices("RAG_TOP_K"), description="= generation.top_k")
+    top_k: int | None = Field(None, validation_alias=AliasChoices("RAG_TOP_K"), description="= limits.top_k")
     api_key: str | None = Field(None, validation_alias=AliasChoices("RAG_API_KEY"), description="= service.api_key")
 
     @model_validator(mode="after")
@@ -68,7 +76,7 @@ class Settings(BaseSettings):
         pairs = [
             ("chroma_path", self.chroma, "path"), ("chroma_url", self.chroma, "url"),
             ("collection", self.chroma, "collection"), ("vllm_url", self.vllm, "url"),
-            ("model", self.vllm, "model"), ("top_k", self.generation, "top_k"),
+            ("model", self.vllm, "model"), ("top_k", self.limits, "top_k"),
             ("api_key", self.service, "api_key"),
         ]
         for flat, section, field in pairs:
@@ -79,5 +87,48 @@ class Settings(BaseSettings):
         # Re-validate sections the aliases touched so bad values fail fast here, not at first use.
         self.chroma = ChromaSettings.model_validate(self.chroma.model_dump())
         self.vllm = VLLMSettings.model_validate(self.vllm.model_dump())
-        self.generation = GenerationSettings.model_validate(self.generation.model_dump())
+        self.limits = RequestLimits.model_validate(self.limits.model_dump())
         return self
+
+
+def overridden(settings: Settings, values: Mapping[str, object]) -> Settings:
+    """A copy of ``settings`` with the fields named ``section.field`` set (a None value changes nothing); each
+    section changed is validated again, so a bad value fails here. Every entry point turns its flags into
+    settings through this."""
+    updates: dict[str, dict[str, object]] = {}
+    for name, value in values.items():
+        section, _, field = name.partition(".")
+        if section not in Settings.model_fields or not field:
+            raise ValueError(f"no setting {name!r}")
+        if value is not None:
+            updates.setdefault(section, {})[field] = value
+    copy = settings.model_copy()
+    for section, fields in updates.items():
+        current = getattr(settings, section)
+        unknown = set(fields) - set(type(current).model_fields)
+        if unknown:
+            raise ValueError(f"no setting {section}.{sorted(unknown)[0]}")
+        setattr(copy, section, type(current).model_validate(current.model_dump() | fields))
+    return copy
+
+
+def environment_of(values: Mapping[str, object]) -> dict[str, str]:
+    """The same overrides as ``RAG_*`` variables (for a child process, or a --reload worker, to read)."""
+    return {f"RAG_{name.replace('.', '__').upper()}": str(value) for name, value in values.items() if value is not None}
+
+
+def setting_named(field: str) -> str:
+    """``section.field`` for a bare name of a setting that shapes answers (``unit_quorum``, ``top_k``,
+    ``warm_piece_tokens`` for ``warmup.piece_tokens``): how benchmark modes and tests name them."""
+    for section in ("context", "limits", "warmup", "sampling"):
+        model = Settings.model_fields[section].annotation
+        name = field.removeprefix("warm_") if section == "warmup" else field
+        if isinstance(model, type) and issubclass(model, BaseModel) and name in model.model_fields:
+            return f"{section}.{name}"
+    raise ValueError(f"no setting named {field!r}")
+
+
+def invalid_setting(exc: ValidationError) -> str:
+    """A settings error as the one line every entry point prints: which setting, what is wrong with it."""
+    first = exc.errors()[0]
+    return f"invalid setting {'.'.join(map(str, first['loc']))}: {first['msg']}"

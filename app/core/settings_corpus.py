@@ -36,14 +36,13 @@ class EmbeddingSettings(BaseModel):
     device: str = Field("cpu", description="Torch device for the encoder.")
     query_threads: int = Field(
         1, ge=1, description="CPU threads the service's encoder uses per question (ingest uses them all): one short "
-        "text gains nothing from more, and beside a CPU vLLM each extra thread stalls at every barrier "
-        "(measured: a question's embedding took 0.5 s with 2 threads during pre-warm).")
+        "text gains nothing from more, and beside a CPU vLLM each extra thread stalls at every barrier")
 
 
 class RetrievalSettings(BaseModel):
     mode: Literal["dense", "lexical", "hybrid"] = Field(
         "hybrid", description="dense: embeddings only; lexical: BM25 only; hybrid: both, fused by reciprocal rank "
-        "(finds exact names, numbers and identifiers that embeddings miss; see README: retrieval).")
+        "(finds exact names, numbers and identifiers that embeddings miss).")
     candidates: int = Field(
         20, ge=1, le=200, description="hybrid: how deep each ranking is read before fusion (at least top_k).")
     rrf_k: int = Field(60, ge=1, description="hybrid: reciprocal-rank-fusion constant (score = sum 1/(rrf_k+rank)).")
@@ -53,7 +52,7 @@ class PageSettings(BaseModel):
     tokens: int = Field(
         4096, ge=0, description="Pages: documents smaller than half this many tokens (abstracts, FAQ entries, short "
         "files) are grouped by meaning into pages of about this size, and a page is the cached unit the document "
-        "strategy puts first in a prompt (0: off; see README: pages). Ingest builds them; change it, re-ingest.")
+        "strategy puts first in a prompt (0: off). Ingest builds them; change it, re-ingest.")
 
 
 class ChunkSettings(BaseModel):

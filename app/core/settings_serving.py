@@ -25,11 +25,13 @@ class VLLMSettings(BaseModel):
         "X-Session-ID", description="Header carrying each request's prefix-affinity key: vllm-router's "
         "consistent_hash policy routes by it, so requests sharing a cached prefix reach the same replica.")
     token_id_prompts: bool = Field(
-        False, description="Opt-in (README: token-id prompts; no TTFT gain end to end on an H200 yet, "
-        "bench/README.md). Send a prompt whose head was seen before as token ids (to /v1/completions), the head "
-        "tokenized once here with the served model's tokenizer, so vLLM does not re-tokenize a cached prompt on "
-        "every request (bench/README.md: vLLM's front end). Only where that tokenizer is on this machine and agrees "
-        "with vLLM's /tokenize exactly; otherwise prompts go as chats.")
+        False, description="Opt-in (docs/design.md: token-id prompts). Send a prompt whose head was seen before "
+        "as token ids (to /v1/completions), the head tokenized once here with the served model's tokenizer, so "
+        "vLLM does not re-tokenize a cached prompt on every request. Only where that tokenizer is on this machine "
+        "and agrees with vLLM's /tokenize exactly; otherwise prompts go as chats.")
+    capture_path: Path | None = Field(
+        None, description="Append every answer request sent to vLLM (path, headers, JSON body; one line each) to "
+        "this file, so a benchmark can replay exactly what the service sent (empty: off).")
     tokenizer: str | None = Field(
         None, description="Local folder of the served model's tokenizer for token-id prompts (default: the "
         "folder vLLM serves from, its /v1/models 'root', when this machine has it).")
@@ -43,6 +45,11 @@ class VLLMSettings(BaseModel):
             raise ValueError(f"vllm url must start with http:// or https://, got {url!r}")
         base = url.rstrip("/")
         return base if base.endswith("/v1") else f"{base}/v1"
+
+    @field_validator("capture_path", mode="before")
+    @classmethod
+    def _empty_means_off(cls, value: object) -> object:
+        return None if value in ("", None) else value
 
 
 class VLLMServerSettings(BaseModel):
@@ -83,23 +90,26 @@ class VLLMServerSettings(BaseModel):
     extra_args: list[str] = Field(default_factory=list, description="Further vLLM CLI arguments, passed verbatim.")
 
 
-class GenerationSettings(BaseModel):
+class RequestLimits(BaseModel):
+    """What a request may ask for, and the defaults it gets (``RAG_LIMITS__``); beyond a limit: 400."""
+
     top_k: int = Field(5, ge=1, le=100, description="Chunks retrieved per question.")
     max_top_k: int = Field(100, ge=1, le=100, description="Largest top_k a request may ask for (at most 100).")
     max_tokens: int = Field(256, ge=1, description="Default answer length cap in tokens.")
-    temperature: float = Field(0.0, ge=0, le=2, description="Sampling temperature.")
-    repetition_penalty: float | None = Field(
-        None, gt=0, description="vLLM repetition_penalty (small models loop without one; e.g. 1.2 for SmolLM2).")
-    extra_sampling: dict[str, float | int | bool | str] = Field(
-        default_factory=dict, description="Further vLLM sampling parameters sent with every answer request, as "
-        'JSON (e.g. {"min_p": 0.05, "top_k": 40}); see vLLM\'s SamplingParams.')
     max_question_chars: int = Field(4000, ge=1, description="Longest accepted question (each user turn of a "
                                     "chat too), in characters.")
     max_chat_messages: int = Field(64, ge=1, description="Most user + assistant messages a chat request may carry.")
     max_chat_chars: int = Field(64_000, ge=1, description="Most characters all messages of a chat request may carry "
                                 "together (system included).")
+    context_budget_tokens: int | None = Field(
+        None, description="Cap on prompt tokens (default: max_model_len - max_tokens).")
+
+
+class ContextSettings(BaseModel):
+    """How retrieved chunks become the prompt's context (``RAG_CONTEXT__``)."""
+
     strategy: Literal["canonical", "document", "reuse", "corpus", "auto"] = Field(
-        "auto", description="How retrieved context becomes the prompt (see README: strategies).")
+        "auto", description="How retrieved context becomes the prompt (docs/design.md: context strategies).")
     max_units: int | None = Field(None, ge=1, description="document strategy: cap on units per prompt (None: no cap).")
     unit_quorum: float = Field(
         0.5, ge=0, le=1, description="document strategy: a unit bigger than the plain top-k is the context when it "
@@ -110,32 +120,46 @@ class GenerationSettings(BaseModel):
         "prefill and show fewer passages.")
     max_unit_tokens: int = Field(12288, ge=128,
                                  description="document strategy: a bigger parent is cut into aligned windows.")
-    warm_kv_share: float = Field(
+    hotness_dir: Path | None = Field(Path("./data/hotness"), description="Where unit hotness is persisted (empty: "
+                                     "not persisted).")
+
+    @field_validator("hotness_dir", mode="before")
+    @classmethod
+    def _empty_means_off(cls, value: object) -> object:
+        return None if value in ("", None) else value
+
+
+class WarmupSettings(BaseModel):
+    """Pre-warm: what it may send, how fast, at which priority (``RAG_WARMUP__``)."""
+
+    kv_share: float = Field(
         0.8, gt=0, le=1, description="Share of vLLM's KV cache that unit pre-warm may fill (what it fills stays "
         "evictable: live requests take the least recently used blocks).")
-    warm_max_tokens: int = Field(
+    max_tokens: int = Field(
         1 << 21, ge=0, description="Absolute cap on prompt tokens one pre-warm sends (besides the KV share): "
         "bounds its compute on a slow machine whatever the cache size (0: warm only the system prompt).")
-    warm_max_s: float = Field(600.0, gt=0, description="Pre-warm stops after this many seconds (time spent "
-                              "paused for user traffic included).")
-    warm_concurrency: int = Field(2, ge=1, description="Pre-warm requests in flight (background, bounded).")
-    warm_piece_tokens: int = Field(
+    max_s: float = Field(600.0, gt=0, description="Pre-warm stops after this many seconds (time spent "
+                         "paused for user traffic included).")
+    concurrency: int = Field(2, ge=1, description="Pre-warm requests in flight (background, bounded).")
+    piece_tokens: int = Field(
         256, ge=0, description="Pre-warm sends a unit in growing pieces, each cut at the first chunk boundary past "
         "this many new prompt tokens (0: whole): vLLM finishes an engine step before it takes a newly arrived "
         "user request, so the step a warm-up can occupy must be short; larger pieces warm faster, and delay a "
         "question asked meanwhile more.")
-    warm_priority: int = Field(
+    priority: int = Field(
         10, ge=1, description="vLLM priority of pre-warm requests (user requests: 0; lower goes first). Needs "
         "vLLM started with --scheduling-policy priority, as python -m app.vllm_server does; elsewhere it is dropped.")
-    hotness_dir: Path | None = Field(Path("./data/hotness"), description="Where unit hotness is persisted (empty: "
-                                     "not persisted).")
-    context_budget_tokens: int | None = Field(
-        None, description="Cap on prompt tokens (default: max_model_len - max_tokens).")
 
-    @field_validator("hotness_dir", mode="before")
-    @classmethod
-    def _empty_means_off(cls, value):
-        return None if value in ("", None) else value
+
+class SamplingSettings(BaseModel):
+    """How answers are sampled unless a request says otherwise (``RAG_SAMPLING__``)."""
+
+    temperature: float = Field(0.0, ge=0, le=2, description="Sampling temperature.")
+    repetition_penalty: float | None = Field(
+        None, gt=0, description="vLLM repetition_penalty (small models loop without one; e.g. 1.2 for SmolLM2).")
+    extra_sampling: dict[str, float | int | bool | str] = Field(
+        default_factory=dict, description="Further vLLM sampling parameters sent with every answer request, as "
+        'JSON (e.g. {"min_p": 0.05, "top_k": 40}); see vLLM\'s SamplingParams.')
 
 
 class TrafficSettings(BaseModel):

@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 
 from app.core.errors import BadRequest, ContextTooLong
 from app.core.metrics import ServiceMetrics
-from app.core.settings import GenerationSettings
+from app.core.settings import RequestLimits, SamplingSettings
 from app.rag.affinity import affinity_key
 from app.rag.budget import TokenEstimator
 from app.rag.context import ContextChunk, PromptBuilder
@@ -39,19 +39,22 @@ class Clock:
     def mark(self, stage: str) -> None:
         self.marks[stage] = time.perf_counter()
 
-    def times(self, ttft: float, done: float) -> StageTimes:
-        retrieve, assemble = self.marks["retrieve"], self.marks["assemble"]
-        return StageTimes(retrieve=ms(retrieve - self.started), assemble=ms(assemble - retrieve), ttft=ms(ttft),
+    def times(self, first_token: float, done: float) -> StageTimes:
+        retrieve, assemble, sent = self.marks["retrieve"], self.marks["assemble"], self.marks["send"]
+        return StageTimes(retrieve=ms(retrieve - self.started), assemble=ms(assemble - retrieve),
+                          ttft=ms(first_token - self.started), upstream_ttft=ms(first_token - sent),
                           total=ms(done - self.started))
 
 
 @dataclass(frozen=True)
 class StageTimes:
-    """Milliseconds: retrieval (from arrival), building the prompt, first token and all (from arrival)."""
+    """Milliseconds: retrieval (from arrival), building the prompt, first token (from arrival, and from the
+    request's sending to vLLM) and all (from arrival)."""
 
     retrieve: float
     assemble: float
     ttft: float
+    upstream_ttft: float
     total: float
 
 
@@ -88,13 +91,13 @@ class Answer:
 
 
 class Pipeline:
-    def __init__(self, settings: GenerationSettings, index: CollectionIndex, retriever: Retriever, llm: LLM,
-                 builder: PromptBuilder, planner: ContextPlanner, estimator: TokenEstimator,
-                 metrics: ServiceMetrics, prompt_ids: PromptIds | None = None) -> None:
-        self.settings, self.index, self.retriever, self.llm = settings, index, retriever, llm
+    def __init__(self, limits: RequestLimits, sampling: SamplingSettings, index: CollectionIndex,
+                 retriever: Retriever, llm: LLM, builder: PromptBuilder, planner: ContextPlanner,
+                 estimator: TokenEstimator, metrics: ServiceMetrics, prompt_ids: PromptIds | None = None) -> None:
+        self.limits, self.sampling, self.index, self.retriever, self.llm = limits, sampling, index, retriever, llm
         self.builder, self.planner, self.estimator = builder, planner, estimator
         self.metrics, self.prompt_ids = metrics, prompt_ids
-        self.rules = RequestRules(settings)
+        self.rules = RequestRules(limits)
         self._retrievals: AsyncLRU[list[ContextChunk]] = AsyncLRU(RETRIEVAL_CACHE_SIZE)
         self._first_contexts: AsyncLRU[list[ContextChunk]] = AsyncLRU(RETRIEVAL_CACHE_SIZE)
 
@@ -158,23 +161,25 @@ class Pipeline:
                                           keep=self.index.indexes_loaded)
 
     async def _generate(self, prompt: Prompt, talk: Conversation, clock: Clock) -> AsyncIterator[Delta | Answer]:
-        sampling = talk.sampling
+        sampling, defaults = talk.sampling, self.sampling
         request = self.llm.chat_request(
             prompt.messages, max_tokens=talk.max_tokens, prefix_key=prompt.affinity,
-            temperature=self.settings.temperature if sampling.temperature is None else sampling.temperature,
-            repetition_penalty=self.settings.repetition_penalty, sampling=self.settings.extra_sampling,
+            temperature=defaults.temperature if sampling.temperature is None else sampling.temperature,
+            repetition_penalty=defaults.repetition_penalty, sampling=defaults.extra_sampling,
             **sampling.options())
         completion, first_token = Completion(), None
         ids = await self._prompt_ids(prompt, talk)
         self.metrics.prompts_sent.labels("token_ids" if ids is not None else "chat").inc()
+        clock.mark("send")
         async for delta in self.llm.stream_chat(request, completion, ids):
             first_token = first_token or time.perf_counter()
             yield delta
         done = time.perf_counter()
         self.estimator.observe(prompt.messages, completion.prompt_tokens)
-        ttft = (first_token or done) - clock.started
-        self.metrics.observe_answer(prompt.strategy, completion.prompt_tokens, completion.cached_tokens, ttft)
-        times = clock.times(ttft, done)
+        first_token = first_token or done
+        self.metrics.observe_answer(prompt.strategy, completion.prompt_tokens, completion.cached_tokens,
+                                    first_token - clock.started)
+        times = clock.times(first_token, done)
         log.info("answered: strategy=%s prompt=%d cached=%d completion=%d finish=%s ttft_ms=%.0f total_ms=%.0f",
                  prompt.strategy, completion.prompt_tokens, completion.cached_tokens, completion.completion_tokens,
                  completion.finish_reason, times.ttft, times.total)
@@ -193,7 +198,7 @@ class Pipeline:
         if max_tokens >= max_model_len:
             raise BadRequest(f"max_tokens ({max_tokens}) must be below the model's context ({max_model_len})",
                              param="max_tokens")
-        cap = self.settings.context_budget_tokens or max_model_len
+        cap = self.limits.context_budget_tokens or max_model_len
         return min(cap, max_model_len) - max_tokens
 
 

@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from app.core.pages import CHARS_PER_TOKEN
-from app.core.settings import GenerationSettings
+from app.core.settings import ContextSettings
 from app.rag.affinity import affinity_key
 from app.rag.budget import TokenEstimator, prompt_chars
 from app.rag.context import ContextChunk, PromptBuilder
@@ -50,15 +50,17 @@ class WarmPlan:
 
     prefix: list[dict]
     units: AsyncIterator[WarmUnit]
+    piece_tokens: int  # each unit is sent in pieces of about this many new tokens (0: whole)
     verdict: CorpusVerdict | None = None
     planned: int = 0  # units the plan holds so far (it grows as a big document's windows are found)
     sent: set[str] = field(default_factory=set)
 
 
 class ContextPlanner:
-    def __init__(self, settings: GenerationSettings, index: CollectionIndex, builder: PromptBuilder, llm: LLM,
-                 collection: str, estimator: TokenEstimator) -> None:
+    def __init__(self, settings: ContextSettings, answer_tokens: int, index: CollectionIndex, builder: PromptBuilder,
+                 llm: LLM, collection: str, estimator: TokenEstimator) -> None:
         self.settings, self.index, self.builder, self.llm = settings, index, builder, llm
+        self.answer_tokens = answer_tokens  # a request's default answer length: room kept beside a unit
         self.estimator = estimator  # learns chars-per-token from what pre-warm sends
         hotness_path = settings.hotness_dir / f"{collection}.json" if settings.hotness_dir else None
         self.hotness = Hotness(hotness_path)
@@ -101,7 +103,7 @@ class ContextPlanner:
     async def prepare(self, info: UpstreamInfo) -> CorpusVerdict | None:
         """What vLLM serves now sets the units' size (room for the question and answer) and, for ``corpus``
         and ``auto``, whether the whole collection fits."""
-        self.units.limit_to((info.max_model_len - self.settings.max_tokens) // 2)
+        self.units.limit_to((info.max_model_len - self.answer_tokens) // 2)
         if self.settings.strategy not in ("corpus", "auto"):
             return None
         return await self.decide_corpus(info)
@@ -110,7 +112,7 @@ class ContextPlanner:
         """Does the whole collection fit the window (and, for ``auto``, is it worth it)? Decided from the chunk
         count and the text's size; only a corpus near the limit is counted exactly, so a large collection is
         never sent to ``/tokenize``."""
-        room = info.max_model_len - self.settings.max_tokens - QUESTION_HEADROOM_TOKENS
+        room = info.max_model_len - self.answer_tokens - QUESTION_HEADROOM_TOKENS
         limit = min(room, self.settings.max_unit_tokens) if self.settings.strategy == "auto" else room
         verdict = CorpusVerdict(chunks=await self.index.count())
         if verdict.chunks * MIN_CHUNK_TOKENS <= limit:  # else it cannot fit: no chunk renders under that
@@ -130,18 +132,19 @@ class ContextPlanner:
                  self.active.name)
         return verdict
 
-    async def warm_plan(self, info: UpstreamInfo) -> WarmPlan:
-        """Decide (``prepare``), then plan: the corpus when it is the context, else every unit, hottest first."""
+    async def warm_plan(self, info: UpstreamInfo, piece_tokens: int) -> WarmPlan:
+        """Decide (``prepare``), then plan: the corpus when it is the context, else every unit, hottest first;
+        each unit in pieces of about ``piece_tokens`` new tokens (0: whole)."""
         verdict = await self.prepare(info)
-        plan = WarmPlan(self.builder.warmup_messages(), _no_units(), verdict)
+        plan = WarmPlan(self.builder.warmup_messages(), _no_units(), piece_tokens, verdict)
         if self.active is self.corpus and self.corpus.fits:
-            plan.planned, plan.units = 1, self._corpus_unit()
+            plan.planned, plan.units = 1, self._corpus_unit(plan)
         elif self.active.name == "document":
             plan.units = self._document_units(plan)
         return plan
 
-    async def _corpus_unit(self) -> AsyncIterator[WarmUnit]:
-        yield self._warm_unit("corpus", self.corpus.chunks or [])
+    async def _corpus_unit(self, plan: WarmPlan) -> AsyncIterator[WarmUnit]:
+        yield self._warm_unit("corpus", self.corpus.chunks or [], plan.piece_tokens)
 
     async def _document_units(self, plan: WarmPlan) -> AsyncIterator[WarmUnit]:
         """Hottest units first (persisted use; before any traffic: biggest first). A page is one unit; a parent
@@ -188,17 +191,17 @@ class ContextPlanner:
             plan.planned -= 1
             return None
         plan.sent.add(key)
-        return self._warm_unit(key, chunks)
+        return self._warm_unit(key, chunks, plan.piece_tokens)
 
-    def _warm_unit(self, key: str, chunks: list[ContextChunk]) -> WarmUnit:
-        pieces = [self.builder.messages(chunks[:end], "") for end in self._piece_ends(chunks)]
+    def _warm_unit(self, key: str, chunks: list[ContextChunk], piece_tokens: int) -> WarmUnit:
+        pieces = [self.builder.messages(chunks[:end], "") for end in self._piece_ends(chunks, piece_tokens)]
         return WarmUnit(key, pieces, affinity_key(chunks))
 
-    def _piece_ends(self, chunks: list[ContextChunk]) -> list[int]:
+    def _piece_ends(self, chunks: list[ContextChunk], piece_tokens: int) -> list[int]:
         """Where to cut ``chunks``: each piece adds to the one before the chunks up to the first boundary past
-        ``warm_piece_tokens`` (estimated from characters); the last end is the whole unit."""
+        ``piece_tokens`` (estimated from characters); the last end is the whole unit."""
         chars_per_token = self.estimator.chars_per_token or CHARS_PER_TOKEN
-        per_piece = self.settings.warm_piece_tokens * chars_per_token
+        per_piece = piece_tokens * chars_per_token
         ends, grown = [], 0.0
         for end, chunk in enumerate(chunks, 1):
             grown += len(chunk.text)

@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 from app.core.errors import BadRequest
-from app.core.settings import GenerationSettings
+from app.core.settings import RequestLimits
 from app.rag.conversation import Turn
 
 
@@ -68,9 +68,9 @@ class Conversation:
 
 
 class RequestRules:
-    """The limits of ``GenerationSettings``; a request that breaks one is a 400 before any work starts."""
+    """The limits of ``RequestLimits``; a request that breaks one is a 400 before any work starts."""
 
-    def __init__(self, settings: GenerationSettings) -> None:
+    def __init__(self, settings: RequestLimits) -> None:
         self.settings = settings
 
     def ask(self, query: Query) -> Conversation:

@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from app.core.metrics import ServiceMetrics
-from app.core.settings import GenerationSettings, Settings, TrafficSettings
+from app.core.settings import Settings
 from app.rag.budget import TokenEstimator
 from app.rag.context import PromptBuilder
 from app.rag.index import CollectionIndex
@@ -77,10 +77,10 @@ class Services:
     def retriever(self) -> Retriever:
         return self.clients.retriever
 
-    def variant(self, generation: GenerationSettings, traffic: TrafficSettings,
-                metrics: ServiceMetrics) -> Services:
-        """Another pipeline over the same clients (benchmarks: other generation settings and limits)."""
-        return assemble(self.clients, generation, traffic, metrics)
+    def variant(self, settings: Settings, metrics: ServiceMetrics) -> Services:
+        """Another pipeline over the same clients, configured by ``settings``' request, context, pre-warm,
+        sampling and traffic sections (benchmarks compare strategies and limits this way)."""
+        return assemble(self.clients, settings, metrics)
 
     async def aclose(self) -> None:
         clients = self.clients
@@ -113,22 +113,21 @@ async def build_services(settings: Settings, *, embedder: Embedder | None = None
     upstream.subscribe(prompt_ids.adopt)
     clients = Clients(settings, executor, encoder, llm, upstream, index, Retriever(index, encoder, settings.retrieval),
                       templates, prompt_ids)
-    return assemble(clients, settings.generation, settings.traffic, metrics or ServiceMetrics())
+    return assemble(clients, settings, metrics or ServiceMetrics())
 
 
-def assemble(clients: Clients, generation: GenerationSettings, limits: TrafficSettings,
-             metrics: ServiceMetrics) -> Services:
+def assemble(clients: Clients, settings: Settings, metrics: ServiceMetrics) -> Services:
     """One configured pipeline over ``clients``, with its planner, admission, pre-warm and collection watcher."""
     builder = PromptBuilder(clients.templates)
     # Untrusted text never carries the served tokenizer's special tokens, whatever vLLM serves now.
     clients.upstream.subscribe(lambda info: builder.inert.use(info.special_tokens))
     estimator = TokenEstimator()
-    planner = ContextPlanner(generation, clients.index, builder, clients.llm, clients.settings.chroma.collection,
-                             estimator)
-    traffic = LiveTraffic(limits.max_in_flight, limits.max_queued)
-    pipeline = Pipeline(generation, clients.index, clients.retriever, clients.llm, builder, planner, estimator,
-                        metrics, clients.prompt_ids)
-    warmer = Warmer(generation, planner, clients.llm, estimator, clients.upstream, traffic)
+    planner = ContextPlanner(settings.context, settings.limits.max_tokens, clients.index, builder, clients.llm,
+                             clients.settings.chroma.collection, estimator)
+    traffic = LiveTraffic(settings.traffic.max_in_flight, settings.traffic.max_queued)
+    pipeline = Pipeline(settings.limits, settings.sampling, clients.index, clients.retriever, clients.llm, builder,
+                        planner, estimator, metrics, clients.prompt_ids)
+    warmer = Warmer(settings.warmup, planner, clients.llm, estimator, clients.upstream, traffic)
     watcher = CollectionWatcher(clients.index, clients.retriever)
     service = Service(pipeline, planner, traffic, clients.upstream, warmer, watcher, metrics)
     return Services(clients, metrics, builder, estimator, planner, traffic, pipeline, warmer, watcher, service)

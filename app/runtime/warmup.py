@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from app.core.errors import BadRequest, ServiceError, StoreUnavailable
-from app.core.settings import GenerationSettings
+from app.core.settings import WarmupSettings
 from app.rag.affinity import affinity_key
 from app.rag.budget import TokenEstimator
 from app.rag.planner import ContextPlanner, WarmPlan, WarmUnit
@@ -44,12 +44,12 @@ class WarmupProgress:
 
 
 class Warmer:
-    def __init__(self, settings: GenerationSettings, planner: ContextPlanner, llm: LLM, estimator: TokenEstimator,
+    def __init__(self, settings: WarmupSettings, planner: ContextPlanner, llm: LLM, estimator: TokenEstimator,
                  upstream: Upstream, traffic: LiveTraffic) -> None:
         self.settings, self.planner, self.llm, self.estimator = settings, planner, llm, estimator
         self.upstream, self.traffic = upstream, traffic
         self.progress = WarmupProgress()
-        self.priority = settings.warm_priority  # dropped (0) if vLLM does not schedule by priority
+        self.priority = settings.priority  # dropped (0) if vLLM does not schedule by priority
         # What is cached now, with each prompt's routing key (benchmarks prime their ceiling with it and replay it).
         self.warmed_prompts: list[tuple[list[dict], str]] = []
         self._kick = asyncio.Event()
@@ -87,8 +87,8 @@ class Warmer:
     async def warm(self, info: UpstreamInfo) -> WarmupProgress:
         """One whole warm-up: the planner decides and plans, then the stable prefix and the units are sent."""
         self.progress, self.warmed_prompts, self._started = WarmupProgress(state="warming"), [], time.monotonic()
-        self.progress.token_budget = min(int(info.kv_cache_tokens * self.settings.warm_kv_share),
-                                         self.settings.warm_max_tokens)
+        self.progress.token_budget = min(int(info.kv_cache_tokens * self.settings.kv_share),
+                                         self.settings.max_tokens)
         with self.traffic.background():
             await self._warm_all(info)
         self.progress.seconds = round(time.monotonic() - self._started, 3)
@@ -98,7 +98,7 @@ class Warmer:
 
     async def _warm_all(self, info: UpstreamInfo) -> None:
         try:
-            plan = await self.planner.warm_plan(info)
+            plan = await self.planner.warm_plan(info, self.settings.piece_tokens)
             if plan.verdict is not None:
                 verdict = plan.verdict
                 self.progress.corpus_chunks, self.progress.corpus_tokens = verdict.chunks, verdict.tokens
@@ -131,15 +131,15 @@ class Warmer:
                     await self._send(piece, unit.affinity, whole=number == len(unit.pieces))
                 self.progress.units_warmed += 1
 
-        await asyncio.gather(*(worker() for _ in range(self.settings.warm_concurrency)))
+        await asyncio.gather(*(worker() for _ in range(self.settings.concurrency)))
         self.progress.units_planned = plan.planned
 
     def _within_bounds(self) -> bool:
         """True while pre-warm may send more; else it records which bound stopped it."""
         if self.progress.tokens >= self.progress.token_budget:
             return self._stopped(f"token budget ({self.progress.token_budget})")
-        if time.monotonic() - self._started >= self.settings.warm_max_s:
-            return self._stopped(f"time budget ({self.settings.warm_max_s:g} s)")
+        if time.monotonic() - self._started >= self.settings.max_s:
+            return self._stopped(f"time budget ({self.settings.max_s:g} s)")
         return True
 
     def _stopped(self, why: str) -> bool:

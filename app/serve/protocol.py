@@ -52,7 +52,7 @@ class AskRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)  # "stream": 0 or "top_k": "5" are errors, not guesses
     question: Text = Field(description="The question, in natural language (some non-space text).",
                            json_schema_extra={"minLength": 1, "pattern": r"\S"})  # checked by the service
-    top_k: TopK | None = Field(None, description="Chunks to retrieve (1..RAG_GENERATION__MAX_TOP_K, "
+    top_k: TopK | None = Field(None, description="Chunks to retrieve (1..RAG_LIMITS__MAX_TOP_K, "
                               "at most 100).")
     filters: AskFilters | None = None
     max_tokens: AnswerTokens | None = Field(None, description="Cap on answer tokens.")
@@ -93,6 +93,8 @@ class Timings(BaseModel):
     retrieve: float = Field(description="Embed the question + query Chroma (ms).")
     assemble: float = Field(description="Order, render and fit the prompt to the token budget (ms).")
     ttft: float = Field(description="Request received -> first answer token (ms).")
+    upstream_ttft: float = Field(description="Request sent to vLLM -> its first answer token here (ms): vLLM's "
+                                 "front end and engine; the rest of ttft is this service's own.")
     total: float = Field(description="Request received -> answer complete (ms).")
 
 

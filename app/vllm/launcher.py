@@ -14,7 +14,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from app.core.settings import Settings, VLLMServerSettings
+from app.core.settings import Settings, VLLMServerSettings, overridden
 from app.vllm.entry import PRIME_ENV
 
 TEST_MODEL_NAME = "prefixrag-test-model"
@@ -109,7 +109,8 @@ def build_command(cfg: VLLMServerSettings, gpu: bool) -> tuple[list[str], dict[s
 
 
 def parse_args(argv: list[str] | None) -> tuple[VLLMServerSettings, bool]:
-    cfg = Settings().vllm_server
+    settings = Settings()
+    cfg = settings.vllm_server
     parser = argparse.ArgumentParser(prog="python -m app.vllm_server", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", help="HF id or folder; 'smollm2' converts the packaged SmolLM2-135M-Instruct")
@@ -125,10 +126,10 @@ def parse_args(argv: list[str] | None) -> tuple[VLLMServerSettings, bool]:
     parser.add_argument("--dry-run", action="store_true", help="print the command, do not run it")
     parser.add_argument("extra", nargs=argparse.REMAINDER, help="after --: passed to vLLM verbatim")
     args = parser.parse_args(argv)
-    updates = {k: v for k, v in vars(args).items() if v not in (None, False) and k not in ("extra", "dry_run")}
+    flags = {f"vllm_server.{k}": v for k, v in vars(args).items() if v is not False and k not in ("extra", "dry_run")}
     if args.extra:
-        updates["extra_args"] = [a for a in args.extra if a != "--"]
-    return cfg.model_copy(update=updates), args.dry_run
+        flags["vllm_server.extra_args"] = [a for a in args.extra if a != "--"]
+    return overridden(settings, flags).vllm_server, args.dry_run
 
 
 def main(argv: list[str] | None = None) -> None:

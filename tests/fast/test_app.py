@@ -240,8 +240,8 @@ def test_each_chat_turn_extends_the_previous_prompt(notes, embedder):
 
 
 def test_an_empty_hotness_dir_turns_persistence_off(monkeypatch):
-    monkeypatch.setenv("RAG_GENERATION__HOTNESS_DIR", "")  # was Path(""): hotness files written into the cwd
-    assert Settings(_env_file=None).generation.hotness_dir is None
+    monkeypatch.setenv("RAG_CONTEXT__HOTNESS_DIR", "")  # was Path(""): hotness files written into the cwd
+    assert Settings(_env_file=None).context.hotness_dir is None
 
 
 def test_the_vllm_url_may_be_given_with_or_without_v1(monkeypatch):
@@ -331,7 +331,7 @@ def test_streams_are_server_sent_events_for_ask_and_for_the_openai_client(notes,
     done = events[-1].json()
     assert "".join(e.json()["text"] for e in events[:-1]) == done["answer"]
     assert done["answer"].strip() == fake.answer
-    assert set(done["timings_ms"]) == {"retrieve", "assemble", "ttft", "total"}
+    assert set(done["timings_ms"]) == {"retrieve", "assemble", "ttft", "upstream_ttft", "total"}
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices).strip() == fake.answer
     assert chunks[-1].usage.prompt_tokens > 0 and chunks[-2].choices[0].finish_reason
 

@@ -18,16 +18,18 @@ FACTS = {
 }
 
 
-def app_settings(chroma_path, vllm_url, collection="facts", **generation):
-    """These tests are about the prompt mechanics, so they pin the canonical strategy unless told otherwise."""
-    generation.setdefault("strategy", "canonical")
-    from app.core.settings import Settings
+def app_settings(chroma_path, vllm_url, collection="facts", **fields):
+    """These tests are about the prompt mechanics, so they pin the canonical strategy and short answers unless
+    told otherwise; ``fields`` are settings by their bare names (``top_k``, ``strategy``, ``hotness_dir``)."""
+    from app.core.settings import Settings, overridden, setting_named
 
     settings = Settings(_env_file=None)
     settings.chroma.path, settings.chroma.collection = chroma_path, collection
     settings.vllm.url, settings.vllm.retry_interval_s = vllm_url, 0.2
-    settings.generation = settings.generation.model_copy(update={"max_tokens": 8, **generation})
-    return settings
+    values = {"strategy": "canonical", "max_tokens": 8} | fields
+    # hotness_dir=None means "not persisted", which the settings spell as an empty value.
+    return overridden(settings, {setting_named(k): "" if v is None and k == "hotness_dir" else v
+                                 for k, v in values.items()})
 
 
 def floor_block(tokens: int, block: int) -> int:

@@ -60,7 +60,7 @@ def test_every_route_is_counted_by_method_and_status_streams_included_and_has_a_
 def test_the_log_has_the_request_id_on_each_line_one_summary_per_answer_and_no_probe_noise(collections, vllm_url):
     port = free_port()
     env = os.environ | {"RAG_VLLM_URL": vllm_url, "RAG_CHROMA_PATH": str(collections), "RAG_COLLECTION": "facts",
-                        "RAG_GENERATION__MAX_TOKENS": "4", "RAG_GENERATION__HOTNESS_DIR": "", "PYTHONUNBUFFERED": "1"}
+                        "RAG_LIMITS__MAX_TOKENS": "4", "RAG_CONTEXT__HOTNESS_DIR": "", "PYTHONUNBUFFERED": "1"}
     process = subprocess.Popen([sys.executable, "-m", "app", "--port", str(port)], cwd=ROOT, env=env,
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:

@@ -147,7 +147,7 @@ def test_sigterm_drains_for_a_bounded_time_then_exits_leaving_no_vllm_work(colle
     port = free_port()
     env = os.environ | {"RAG_VLLM_URL": vllm_url, "RAG_CHROMA_PATH": str(collections), "RAG_COLLECTION": "facts",
                         "RAG_SERVICE__PORT": str(port), "RAG_TRAFFIC__DRAIN_S": "2",
-                        "RAG_GENERATION__EXTRA_SAMPLING": '{"ignore_eos": true}'}
+                        "RAG_SAMPLING__EXTRA_SAMPLING": '{"ignore_eos": true}'}
     app = subprocess.Popen([sys.executable, "-m", "app"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                            stderr=subprocess.STDOUT, text=True)
     try:
@@ -293,7 +293,7 @@ def test_pre_warm_sends_a_unit_in_pieces_so_no_warm_up_step_is_long(books, vllm_
     # last partial block (128 on CPU) recomputed, plus the chat template's end.
     # The first pieces (one per worker) are cut with the system prompt's chars/token ratio, before a document
     # was counted; every later one with the documents' own.
-    calibrated = prefilled[1 + settings.generation.warm_concurrency:]
+    calibrated = prefilled[1 + settings.warmup.concurrency:]
     assert max(calibrated) <= 256 + 230 + 128 + 64, sorted(calibrated)[-5:]
     assert max(prefilled) < 1024  # a whole unit is ~2.7K tokens
 
