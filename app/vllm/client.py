@@ -3,8 +3,11 @@ routing headers (prefix affinity for vllm-router), limits and retries slot in he
 
 from __future__ import annotations
 
+import json
+import os
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -47,6 +50,21 @@ SDK_POOL = type(openai.DEFAULT_CONNECTION_LIMITS)(max_connections=POOL.max_conne
                                                   keepalive_expiry=POOL.keepalive_expiry)
 
 
+class Capture:
+    """An append-only JSONL file of the requests sent; one ``write`` per line, so the lines of several app
+    processes appending to one file never interleave."""
+
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+
+    def write(self, line: str) -> None:
+        os.write(self.fd, line.encode())
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
 class LLMClient:
     def __init__(self, settings: VLLMSettings) -> None:
         self.settings = settings
@@ -57,12 +75,15 @@ class LLMClient:
         root = settings.url.rstrip("/").removesuffix("/v1")
         self.http = httpx.AsyncClient(base_url=root, timeout=settings.timeout_s, limits=POOL,
                                       headers={"Authorization": f"Bearer {settings.api_key}"})
+        self.capture = Capture(settings.capture_path) if settings.capture_path else None
 
     def use_model(self, model: str) -> None:
         """Name ``model`` in every request from now on (the readiness monitor publishes what vLLM serves)."""
         self.model = model
 
     async def aclose(self) -> None:
+        if self.capture is not None:
+            self.capture.close()
         await self.openai.close()
         await self.http.aclose()
 
@@ -71,7 +92,7 @@ class LLMClient:
                      sampling: dict | None = None, **options) -> dict:
         """Keyword arguments for ``chat.completions.create``: the single definition of a vLLM request.
         ``priority``: vLLM's scheduling priority (lower first; users 0), for background work; ``sampling``:
-        further vLLM sampling parameters (``RAG_GENERATION__EXTRA_SAMPLING``)."""
+        further vLLM sampling parameters (``RAG_SAMPLING__EXTRA_SAMPLING``)."""
         request: dict[str, Any] = {
             "model": self.model, "messages": messages, "max_tokens": max_tokens, "temperature": temperature,
             "stream": stream, "extra_headers": {self.settings.affinity_header: prefix_key},
@@ -88,27 +109,28 @@ class LLMClient:
                           prompt_ids: list[int] | None = None) -> AsyncIterator[Delta]:
         """Yield answer deltas; fill ``result`` with finish reason and usage (incl. cached tokens) as they come.
         ``prompt_ids``: the request's prompt as token ids (``app.vllm.prompt_ids``), sent to ``/v1/completions``
-        instead of its messages; the same sampling, headers and answer."""
+        instead of its messages; the same sampling, headers and answer. The stream is read as it arrives: each
+        event is one ``json.loads``, no typed model per chunk (the relay runs on the event loop, for every token
+        of every answer in flight)."""
+        body, headers = wire(request)
+        path = "/v1/chat/completions"
+        if prompt_ids is not None:
+            del body["messages"]
+            body["prompt"], path = prompt_ids, "/v1/completions"
+        if self.capture is not None:
+            self.capture.write(json.dumps({"path": path, "headers": headers, "body": body}) + "\n")
         with upstream_errors():
-            if prompt_ids is None:
-                stream = await self.openai.chat.completions.create(**request)
-            else:
-                as_ids = {key: value for key, value in request.items() if key != "messages"}
-                # Not as ``prompt=``: the SDK validates and copies a list element by element, on the event loop
-                # (65 ms for 3.8K ids here); ``extra_body`` is sent as it is, and its "prompt" is the one sent.
-                as_ids["extra_body"] = {**as_ids.get("extra_body", {}), "prompt": prompt_ids}
-                stream = await self.openai.completions.create(**as_ids, prompt="")
-            async for chunk in stream:
-                if chunk.usage is not None:
-                    result.prompt_tokens = chunk.usage.prompt_tokens
-                    result.completion_tokens = chunk.usage.completion_tokens
-                    details = chunk.usage.prompt_tokens_details
-                    result.cached_tokens = (details.cached_tokens or 0) if details else 0
-                for choice in chunk.choices:
-                    result.finish_reason = choice.finish_reason or result.finish_reason
-                    text = choice.text if prompt_ids is not None else choice.delta and choice.delta.content
-                    if text:
-                        result.text += text
+            async with self.http.stream("POST", path, json=body, headers=headers) as response:
+                if response.status_code != 200:
+                    await response.aread()
+                    raise status_error(response)
+                async for line in response.aiter_lines():
+                    if not line.startswith("data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == "[DONE]":
+                        return
+                    for text in read_event(json.loads(data), result, completion=prompt_ids is not None):
                         yield Delta(text)
 
     async def complete(self, request: dict):
@@ -188,6 +210,43 @@ class upstream_errors:
             # down, which is "try again shortly" (the router drops it within its health-check interval).
             raise UpstreamUnavailable(f"a vLLM replica behind the router is unreachable: {exc}") from exc
         raise UpstreamError(f"vLLM error ({status}): {exc}") from exc
+
+
+def wire(request: dict) -> tuple[dict, dict[str, str]]:
+    """A request from ``chat_request`` as it goes over the wire: its JSON body (the SDK-style ``extra_body``
+    merged in) and its headers."""
+    body = {key: value for key, value in request.items() if key not in ("extra_headers", "extra_body")}
+    return body | request.get("extra_body", {}), dict(request.get("extra_headers", {}))
+
+
+def read_event(event: dict, result: Completion, completion: bool) -> Iterator[str]:
+    """The answer text one streamed event carries (chat deltas, or a completion's text); usage and the finish
+    reason go into ``result``. An error event (vLLM failed mid-stream) raises."""
+    if "error" in event:
+        raise UpstreamError(f"vLLM failed mid-answer: {event['error'].get('message', event['error'])}")
+    if usage := event.get("usage"):
+        result.prompt_tokens, result.completion_tokens = usage["prompt_tokens"], usage["completion_tokens"]
+        result.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+    for choice in event.get("choices") or ():
+        result.finish_reason = choice.get("finish_reason") or result.finish_reason
+        text = choice.get("text") if completion else (choice.get("delta") or {}).get("content")
+        if text:
+            result.text += text
+            yield text
+
+
+def status_error(response: httpx.Response) -> Exception:
+    """The service's error for a refused streaming request, as the SDK's status errors are translated."""
+    message, status = _upstream_message(response), response.status_code
+    if status == 400:
+        if "maximum context length" in message:
+            return ContextTooLong(f"vLLM rejected the request: {message}", param="messages")
+        return BadRequest(f"vLLM rejected the request: {message}")
+    if status in (502, 503, 504):
+        return UpstreamUnavailable(f"vLLM answered {status}")
+    if status == 500 and "error sending request" in message:
+        return UpstreamUnavailable(f"a vLLM replica behind the router is unreachable: {message}")
+    return UpstreamError(f"vLLM error ({status}): {message}")
 
 
 def _upstream_message(response: httpx.Response) -> str:
