@@ -46,6 +46,8 @@ class RetrievalSettings(BaseModel):
     candidates: int = Field(
         20, ge=1, le=200, description="hybrid: how deep each ranking is read before fusion (at least top_k).")
     rrf_k: int = Field(60, ge=1, description="hybrid: reciprocal-rank-fusion constant (score = sum 1/(rrf_k+rank)).")
+    threads: int = Field(0, ge=0, description="Worker threads of the service for question embeddings and store "
+                         "reads (0: one per CPU core, at most 8).")
 
 
 class PageSettings(BaseModel):

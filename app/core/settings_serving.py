@@ -69,6 +69,8 @@ class VLLMServerSettings(BaseModel):
     max_num_seqs: int | None = Field(
         None, ge=1, description="Concurrent sequences per step (default: 16 on CPU, vLLM's own on GPU).")
     block_size: int | None = Field(None, description="KV block size (default: backend's; 128 on CPU, 16 on CUDA).")
+    api_server_count: int = Field(1, ge=1, description="vLLM front-end processes (vLLM --api-server-count): "
+                                  "tokenizing, detokenizing and streaming spread over this many, beside the engine.")
     load_format: str | None = Field(
         None, description="vLLM --load-format; 'dummy' serves random weights of the model's real shape (benchmarks).")
     gpu_memory_utilization: float = Field(0.90, gt=0, le=1, description="Share of GPU memory vLLM may take (CUDA).")
@@ -165,9 +167,15 @@ class SamplingSettings(BaseModel):
 class TrafficSettings(BaseModel):
     """Admission control (429 + Retry-After beyond these) and shutdown. Limits are per app process."""
 
-    max_in_flight: int = Field(
-        8, ge=1, description="User requests in the pipeline (retrieval + vLLM) at once, per app process. More "
-        "fit a GPU, up to what one process relays (docs/benchmarks.md: live traffic).")
+    max_in_flight: int | Literal["auto"] = Field(
+        "auto", description="User requests in the pipeline (retrieval + vLLM) at once, per app process; beyond it "
+        "(and max_queued) a request gets 429 + Retry-After. 'auto': start at auto_min_in_flight and follow vLLM: "
+        "more while vLLM runs every request it is sent, back to what it runs once it queues requests.")
+    auto_min_in_flight: int = Field(8, ge=1, description="With max_in_flight=auto: the limit it starts at and "
+                                    "never goes below.")
+    auto_max_in_flight: int = Field(1024, ge=1, description="With max_in_flight=auto: the limit never goes above.")
+    load_interval_s: float = Field(0.5, gt=0, description="With max_in_flight=auto: how often vLLM's queue "
+                                   "(vllm:num_requests_waiting) is read while user requests are present (s).")
     max_queued: int = Field(0, ge=0, description="Requests waiting for a slot; one more is refused with 429 "
                             "(each place adds up to one service time to an admitted request's latency, while a "
                             "place in flight costs little more: vLLM batches it).")

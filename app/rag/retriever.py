@@ -11,11 +11,15 @@ from app.core.settings import ChromaSettings, PageSettings, RetrievalSettings
 from app.rag.context import ContextChunk
 from app.rag.index import CollectionIndex, chroma_errors, to_chunk
 from app.rag.seams import Embedder
+from app.rag.vectors import QuestionVectors
 
 
 class Retriever:
-    def __init__(self, index: CollectionIndex, embedder: Embedder, retrieval: RetrievalSettings) -> None:
+    def __init__(self, index: CollectionIndex, embedder: Embedder, retrieval: RetrievalSettings,
+                 encoders: int = 1) -> None:
+        """``encoders``: question batches encoded at once (each on one of the index's worker threads)."""
         self.index, self.embedder, self.retrieval = index, embedder, retrieval
+        self.vectors = QuestionVectors(embedder, index.run, encoders)  # concurrent questions, encoded in batches
 
     @classmethod
     def over(cls, embedder: Embedder, chroma: ChromaSettings, executor: ThreadPoolExecutor,
@@ -26,37 +30,40 @@ class Retriever:
 
     async def retrieve(self, question: str, k: int, source_prefix: str | None = None,
                        mode: str | None = None) -> list[ContextChunk]:
-        return await self.index.run(self.retrieve_sync, question, k, source_prefix, mode)
+        vector = await self.vectors.embed(question) if (mode or self.retrieval.mode) != "lexical" else None
+        return await self.index.run(self.retrieve_sync, question, k, source_prefix, mode, vector)
 
     def retrieve_sync(self, question: str, k: int, source_prefix: str | None = None,
-                      mode: str | None = None) -> list[ContextChunk]:
-        """The top ``k`` chunks by ``mode`` (default: the configured one). While the BM25 index is still being
-        built (after a start or a reload), hybrid answers with the dense ranking alone rather than wait."""
+                      mode: str | None = None, vector: list[float] | None = None) -> list[ContextChunk]:
+        """The top ``k`` chunks by ``mode`` (default: the configured one); ``vector``: the question's embedding,
+        if already encoded. While the BM25 index is still being built (after a start or a reload), hybrid
+        answers with the dense ranking alone rather than wait."""
         mode = mode or self.retrieval.mode
         where = self._where(source_prefix)
         if where == {"source": {"$in": []}}:
             return []  # the filter matches no source at all
         lexical = self.index.lexical_index(wait=mode == "lexical") if mode != "dense" else None
         if lexical is None:
-            return self._dense(question, k, where)
+            return self._dense(question, k, where, vector)
         depth = max(k, self.retrieval.candidates)
         sources = set(where["source"]["$in"]) if where else None
         found = lexical.search(question, depth if mode == "hybrid" else k, sources)
         if mode == "lexical":
             return self.index.chunks([i for i, _ in found], [score for _, score in found])
-        dense = self._query(question, depth, where, include=[])  # ids only: texts are read for the fused k alone
+        dense = self._query(question, depth, where, [], vector)  # ids only: texts are read for the fused k alone
         fused = reciprocal_rank_fusion([dense["ids"][0], [i for i, _ in found]], self.retrieval.rrf_k)[:k]
         kept = self.index.chunks([i for i, _ in fused], [score for _, score in fused])  # deleted since: gone
         return [replace(chunk, rank=rank) for rank, chunk in enumerate(kept)]
 
-    def _query(self, question: str, k: int, where: dict | None, include: list[str]) -> dict:
-        vector = self.embedder.embed([question])[0]
+    def _query(self, question: str, k: int, where: dict | None, include: list[str],
+               vector: list[float] | None = None) -> dict:
+        vector = vector if vector is not None else self.embedder.embed([question])[0]
         with chroma_errors("query"):
             return self.index.collection.query(query_embeddings=[vector], n_results=k, where=where,
                                                include=include)
 
-    def _dense(self, question: str, k: int, where: dict | None) -> list[ContextChunk]:
-        found = self._query(question, k, where, include=["documents", "metadatas", "distances"])
+    def _dense(self, question: str, k: int, where: dict | None, vector: list[float] | None) -> list[ContextChunk]:
+        found = self._query(question, k, where, ["documents", "metadatas", "distances"], vector)
         rows = zip(found["ids"][0], found["documents"][0], found["metadatas"][0], found["distances"][0])
         return [to_chunk(chunk_id, text, meta, 1.0 - distance, rank)
                 for rank, (chunk_id, text, meta, distance) in enumerate(rows)]

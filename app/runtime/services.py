@@ -5,11 +5,12 @@ and monitors, and none of them reaches inside another to find one."""
 from __future__ import annotations
 
 import asyncio
+import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from app.core.metrics import ServiceMetrics
-from app.core.settings import Settings
+from app.core.settings import Settings, TrafficSettings
 from app.rag.budget import TokenEstimator
 from app.rag.context import PromptBuilder
 from app.rag.index import CollectionIndex
@@ -18,9 +19,10 @@ from app.rag.planner import ContextPlanner
 from app.rag.prompts import PromptTemplates
 from app.rag.retriever import Retriever
 from app.rag.seams import Embedder
+from app.runtime.capacity import EngineQueue
 from app.runtime.collection import CollectionWatcher
 from app.runtime.service import Service
-from app.runtime.traffic import LiveTraffic
+from app.runtime.traffic import AutoLimit, LiveTraffic
 from app.runtime.upstream import Upstream
 from app.runtime.warmup import Warmer
 from app.vllm.client import LLMClient
@@ -56,6 +58,7 @@ class Services:
     warmer: Warmer
     watcher: CollectionWatcher
     service: Service
+    engine_queue: EngineQueue | None  # reads vLLM's queue for max_in_flight=auto
 
     @property
     def settings(self) -> Settings:
@@ -101,7 +104,8 @@ async def build_services(settings: Settings, *, embedder: Embedder | None = None
 
     templates = PromptTemplates.load(settings.service.prompts_dir)
     # Torch fixes a thread's pool size on first use, hence the initializer (RAG_EMBEDDING__QUERY_THREADS).
-    executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="retrieve", initializer=limit_threads,
+    threads = settings.retrieval.threads or min(8, os.cpu_count() or 2)
+    executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="retrieve", initializer=limit_threads,
                                   initargs=(settings.embedding.query_threads,))
     encoder = embedder if embedder is not None else await asyncio.get_running_loop().run_in_executor(
         executor, lambda: Encoder(settings.embedding).load())
@@ -111,8 +115,8 @@ async def build_services(settings: Settings, *, embedder: Embedder | None = None
     upstream.subscribe(lambda info: llm.use_model(info.model))
     prompt_ids = PromptIds(settings.vllm, llm)
     upstream.subscribe(prompt_ids.adopt)
-    clients = Clients(settings, executor, encoder, llm, upstream, index, Retriever(index, encoder, settings.retrieval),
-                      templates, prompt_ids)
+    retriever = Retriever(index, encoder, settings.retrieval, encoders=max(1, threads // 2))
+    clients = Clients(settings, executor, encoder, llm, upstream, index, retriever, templates, prompt_ids)
     return assemble(clients, settings, metrics or ServiceMetrics())
 
 
@@ -124,10 +128,19 @@ def assemble(clients: Clients, settings: Settings, metrics: ServiceMetrics) -> S
     estimator = TokenEstimator()
     planner = ContextPlanner(settings.context, settings.limits.max_tokens, clients.index, builder, clients.llm,
                              clients.settings.chroma.collection, estimator)
-    traffic = LiveTraffic(settings.traffic.max_in_flight, settings.traffic.max_queued)
+    traffic = admission(settings.traffic)
     pipeline = Pipeline(settings.limits, settings.sampling, clients.index, clients.retriever, clients.llm, builder,
                         planner, estimator, metrics, clients.prompt_ids)
     warmer = Warmer(settings.warmup, planner, clients.llm, estimator, clients.upstream, traffic)
+    queue = EngineQueue(traffic, clients.upstream, settings.traffic.load_interval_s) if traffic.auto else None
     watcher = CollectionWatcher(clients.index, clients.retriever)
     service = Service(pipeline, planner, traffic, clients.upstream, warmer, watcher, metrics)
-    return Services(clients, metrics, builder, estimator, planner, traffic, pipeline, warmer, watcher, service)
+    return Services(clients, metrics, builder, estimator, planner, traffic, pipeline, warmer, watcher, service, queue)
+
+
+def admission(limits: TrafficSettings) -> LiveTraffic:
+    """The configured admission: a fixed limit, or ``auto`` (from its floor, following vLLM's queue)."""
+    if limits.max_in_flight != "auto":
+        return LiveTraffic(limits.max_in_flight, limits.max_queued)
+    auto = AutoLimit(limits.auto_min_in_flight, limits.auto_max_in_flight, fresh_s=4 * limits.load_interval_s)
+    return LiveTraffic(auto.low, limits.max_queued, auto)

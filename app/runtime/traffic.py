@@ -10,6 +10,7 @@ scheduler never preempts a running chunked prefill for a newly arrived request, 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import math
 import time
@@ -29,47 +30,114 @@ class TrafficStatus:
     """The load as ``/readyz`` reports it."""
 
     present: int  # user requests admitted: in flight or queued
-    max_in_flight: int
+    max_in_flight: int  # the limit now (with "auto": as vLLM's queue has moved it)
     max_queued: int
     refused: int  # answered 429 since start
     warmup_yields: int  # background requests aborted for a user since start
+    auto: bool = False  # the limit follows vLLM's queue
+
+
+@dataclass(frozen=True)
+class AutoLimit:
+    """``max_in_flight=auto``: the limit starts at ``low``, grows while vLLM runs every request it is sent (at
+    most doubling between two readings of its queue) and shrinks to what vLLM runs once it queues."""
+
+    low: int
+    high: int
+    fresh_s: float  # a reading of vLLM's queue older than this says nothing about room now
 
 
 class LiveTraffic:
-    def __init__(self, max_in_flight: int, max_queued: int) -> None:
-        self.max_in_flight, self.max_queued = max_in_flight, max_queued
-        self._slots = asyncio.Semaphore(max_in_flight)
+    def __init__(self, max_in_flight: int, max_queued: int, auto: AutoLimit | None = None) -> None:
+        self.max_in_flight, self.max_queued, self.auto = max_in_flight, max_queued, auto
+        self.running = 0  # admitted requests holding an in-flight place
+        self._waiting: collections.deque[asyncio.Future[None]] = collections.deque()
         self.present = 0  # user requests admitted: in flight or queued
         self.refused = 0
         self.yields = 0  # background requests aborted for a user
         self.service_s = 1.0  # moving average of how long a request holds its slot (for Retry-After)
         self._idle, self._busy = asyncio.Event(), asyncio.Event()
         self._idle.set()
+        self._room_until = 0.0  # vLLM queued nothing at its last reading, which counts until then
+        self._growth = 0  # places the limit may still grow by before vLLM's queue is read again
+
+    @property
+    def busy(self) -> asyncio.Event:
+        """Set while any user request is present."""
+        return self._busy
 
     @property
     def queued(self) -> int:
         return max(0, self.present - self.max_in_flight)
 
     def status(self) -> TrafficStatus:
-        return TrafficStatus(self.present, self.max_in_flight, self.max_queued, self.refused, self.yields)
+        return TrafficStatus(self.present, self.max_in_flight, self.max_queued, self.refused, self.yields,
+                             self.auto is not None)
+
+    def engine_queue(self, waiting: float) -> None:
+        """vLLM's own queue, read now (``max_in_flight=auto``): none waiting lets the limit grow (by at most its
+        size until the next reading); requests waiting there bring it down to those vLLM runs of ours."""
+        if self.auto is None:
+            return
+        if waiting > 0:
+            self._room_until, self._growth = 0.0, 0
+            self._set_limit(max(self.auto.low, min(self.max_in_flight, self.running - int(waiting))))
+        else:
+            self._room_until, self._growth = time.monotonic() + self.auto.fresh_s, self.max_in_flight
 
     @contextlib.asynccontextmanager
     async def slot(self) -> AsyncIterator[None]:
         """Hold one user slot for the body's duration; raise ``Overloaded`` at once when none is left."""
-        if self.present >= self.max_in_flight + self.max_queued:
+        if self.present >= self.max_in_flight + self.max_queued and not self._grow():
             self.refused += 1
             raise Overloaded(f"the service is at capacity ({self.max_in_flight} requests in flight, "
                              f"{self.max_queued} queued); retry later", retry_after_s=self.retry_after_s())
         self._arrive()
         try:
-            async with self._slots:
-                started = time.monotonic()
-                try:
-                    yield
-                finally:
-                    self.service_s = 0.8 * self.service_s + 0.2 * (time.monotonic() - started)
+            await self._take_place()
+            started = time.monotonic()
+            try:
+                yield
+            finally:
+                self.service_s = 0.8 * self.service_s + 0.2 * (time.monotonic() - started)
+                self._free_place()
         finally:
             self._leave()
+
+    def _grow(self) -> bool:
+        """With ``auto``: one more place, while vLLM's last reading showed room and this reading's growth lasts."""
+        if self.auto is None or self._growth <= 0 or time.monotonic() > self._room_until:
+            return False
+        if self.max_in_flight >= self.auto.high:
+            return False
+        self._growth -= 1
+        self._set_limit(self.max_in_flight + 1)
+        return True
+
+    def _set_limit(self, limit: int) -> None:
+        self.max_in_flight = limit
+        while self._waiting and self.running < self.max_in_flight:
+            self.running += 1
+            self._waiting.popleft().set_result(None)
+
+    async def _take_place(self) -> None:
+        if self.running < self.max_in_flight and not self._waiting:
+            self.running += 1
+            return
+        place = asyncio.get_running_loop().create_future()
+        self._waiting.append(place)
+        try:
+            await place
+        except asyncio.CancelledError:
+            if place.done() and not place.cancelled():
+                self._free_place()  # given a place just as it was cancelled: hand it on
+            else:
+                self._waiting.remove(place)
+            raise
+
+    def _free_place(self) -> None:
+        self.running -= 1
+        self._set_limit(self.max_in_flight)  # hands the place to the next waiting request
 
     def retry_after_s(self) -> int:
         """Seconds until a place is likely free: the queue ahead, drained ``max_in_flight`` at a time."""

@@ -96,7 +96,7 @@ class Upstream:
             self.replicas = replicas  # /readyz shows 0 of N, not the last good count
             raise UpstreamUnavailable(f"vllm-router has no healthy replica (0/{len(replicas)})")
         models = await self.llm.list_models()
-        metrics = await self._metrics(replicas)
+        metrics = await self.metrics_texts(replicas)
         info = self._read_info(models, list(metrics.values()))
         # Read once per (re)appearance of vLLM, not on every probe: a restart may serve another model.
         known = self.info if self.reachable and self.info and self.info.model == info.model else None
@@ -119,10 +119,11 @@ class Upstream:
             self.appeared.set()
         self.reachable, self.reason = True, "ready"
 
-    async def _metrics(self, replicas: list[Replica] | None) -> dict[str, str]:
+    async def metrics_texts(self, replicas: list[Replica] | None = None) -> dict[str, str]:
         """Prometheus text per vLLM server read directly: the URL itself, or each healthy replica behind the
-        router. Where the replicas cannot be reached from here, the router's /metrics (one replica's, its pick):
-        enough for the cache config, not for restart detection (keyed "")."""
+        router (those last seen, unless given). Where the replicas cannot be reached from here, the router's
+        /metrics (one replica's, its pick): enough for the cache config, not for restart detection (keyed "")."""
+        replicas = self.replicas if replicas is None else replicas
         if replicas is None:
             return {self.settings.url: await self.llm.metrics_text()}
         found: dict[str, str] = {}

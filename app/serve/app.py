@@ -44,6 +44,8 @@ def create_app(settings: Settings | None = None, *, embedder=None, llm=None) -> 
                  asyncio.create_task(services.watcher.run_forever(settings.chroma.poll_s),
                                      name="collection-watcher"),
                  asyncio.create_task(loop_lag.run_forever(), name="loop-lag")]
+        if services.engine_queue is not None:
+            tasks.append(asyncio.create_task(services.engine_queue.run_forever(), name="engine-queue"))
         log.info("prefixrag serving collection %r from %s; vLLM at %s", settings.chroma.collection,
                  settings.chroma.url or settings.chroma.path, settings.vllm.url)
         try:

@@ -32,7 +32,8 @@ def configure_logging(level: int = logging.INFO) -> None:
     handler.setFormatter(logging.Formatter(LOG_FORMAT))
     logging.basicConfig(level=level, handlers=[handler])
     logging.getLogger("uvicorn.access").addFilter(QuietProbes())
-    logging.getLogger("httpx").setLevel(logging.WARNING)
+    for noisy in ("httpx", "httpx2"):  # httpx2: the openai SDK's own copy of httpx
+        logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
 class QuietProbes(logging.Filter):

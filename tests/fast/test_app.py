@@ -204,7 +204,8 @@ def test_the_same_set_twice_reuses_the_prompt_up_to_the_question(notes, embedder
         ready = server.wait_ready()
         first, second = (ask(server, question=q).json() for q in
                          ("How are chunks ordered in the prompt?", "How are chunks ordered in the prompt, again?"))
-    assert ready["traffic"] == {"present": 0, "max_in_flight": 8, "max_queued": 0, "refused": 0, "warmup_yields": 0}
+    assert ready["traffic"] == {"present": 0, "max_in_flight": 8, "max_queued": 0, "refused": 0, "warmup_yields": 0,
+                                "auto": True}
     assert {s["id"] for s in first["sources"]} == {s["id"] for s in second["sources"]}
     assert all(s["chunk_id"].startswith(s["id"] + "::") for s in first["sources"])
     assert second["usage"]["cached_tokens"] >= floor_block(second["usage"]["prompt_tokens"] - 40, BLOCK)

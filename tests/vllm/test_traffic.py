@@ -126,6 +126,7 @@ def test_a_client_that_leaves_aborts_its_vllm_request(collections, vllm_url, emb
     settings = app_settings(collections, vllm_url, extra_sampling=IGNORE_EOS)
     with AppServer(create_app(settings, embedder=embedder)) as server:
         server.wait_ready()
+        server.wait_warmed(timeout=120, done=True)  # else pre-warm's own requests may finish in vLLM meanwhile
         wait_until(lambda: running(vllm_url) == 0, 30, "an idle vLLM to start from")
         before = vllm_counters(vllm_url)
         body = {"question": "What do anchors do?", "max_tokens": LONG, "stream": stream}

@@ -1,0 +1,36 @@
+"""``max_in_flight=auto``: admission follows what vLLM can serve. While user requests are present, vLLM's own
+queue (``vllm:num_requests_waiting``, summed over the servers behind the URL) is read every ``load_interval_s``
+and handed to admission (``LiveTraffic.engine_queue``): an empty queue lets the limit grow, requests waiting in
+vLLM bring it down to what vLLM runs. Idle, nothing is read."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from app.core.errors import ServiceError
+from app.runtime.traffic import LiveTraffic
+from app.runtime.upstream import Upstream
+from app.vllm.client import metric_total
+
+log = logging.getLogger("prefixrag.capacity")
+WAITING = "vllm:num_requests_waiting"
+
+
+class EngineQueue:
+    def __init__(self, traffic: LiveTraffic, upstream: Upstream, interval_s: float) -> None:
+        self.traffic, self.upstream, self.interval_s = traffic, upstream, interval_s
+
+    async def run_forever(self) -> None:
+        while True:
+            await self.traffic.busy.wait()
+            try:
+                texts = await self.upstream.metrics_texts()
+            except ServiceError as exc:  # vLLM away: the monitor marks it down; admission keeps its limit
+                log.debug("vLLM's queue not read: %s", exc.message)
+            else:
+                before = self.traffic.max_in_flight
+                self.traffic.engine_queue(sum(metric_total(text, WAITING) for text in texts.values()))
+                if self.traffic.max_in_flight < before:
+                    log.info("vLLM queues requests: admission limit %d -> %d", before, self.traffic.max_in_flight)
+            await asyncio.sleep(self.interval_s)

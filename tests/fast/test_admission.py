@@ -1,0 +1,78 @@
+"""Admission with ``max_in_flight=auto``: the limit grows only while vLLM's last reading showed no queue (at most
+doubling per reading), comes down to what vLLM runs once it queues, and a request refused is refused at once."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import pytest
+
+from app.core.errors import Overloaded
+from app.runtime.traffic import AutoLimit, LiveTraffic
+
+
+async def hold(traffic: LiveTraffic, count: int, stack: contextlib.AsyncExitStack) -> None:
+    for _ in range(count):
+        await stack.enter_async_context(traffic.slot())
+
+
+async def test_the_limit_grows_only_on_a_fresh_reading_that_shows_no_queue():
+    traffic = LiveTraffic(2, 0, AutoLimit(low=2, high=100, fresh_s=60))
+    async with contextlib.AsyncExitStack() as stack:
+        await hold(traffic, 2, stack)
+        with pytest.raises(Overloaded):  # vLLM's queue not read yet: the floor holds
+            await stack.enter_async_context(traffic.slot())
+        traffic.engine_queue(0)  # vLLM runs all it is sent: up to twice the limit until the next reading
+        await hold(traffic, 2, stack)
+        assert traffic.max_in_flight == 4
+        with pytest.raises(Overloaded):
+            await stack.enter_async_context(traffic.slot())
+        traffic.engine_queue(0)
+        await hold(traffic, 4, stack)
+        assert traffic.max_in_flight == traffic.running == 8 and traffic.refused == 2
+
+
+async def test_a_queue_in_vllm_brings_the_limit_down_to_what_it_runs_and_stops_growth():
+    traffic = LiveTraffic(2, 0, AutoLimit(low=2, high=100, fresh_s=60))
+    async with contextlib.AsyncExitStack() as stack:
+        traffic.engine_queue(0)
+        await hold(traffic, 4, stack)
+        traffic.engine_queue(0)
+        await hold(traffic, 4, stack)
+        traffic.engine_queue(3)  # 3 of our 8 wait inside vLLM: it runs 5
+        assert traffic.max_in_flight == 5
+        with pytest.raises(Overloaded):
+            await stack.enter_async_context(traffic.slot())
+    assert traffic.running == traffic.present == 0
+
+
+async def test_a_stale_reading_does_not_let_the_limit_grow():
+    traffic = LiveTraffic(1, 0, AutoLimit(low=1, high=100, fresh_s=0.05))
+    traffic.engine_queue(0)
+    await asyncio.sleep(0.1)
+    async with contextlib.AsyncExitStack() as stack:
+        await hold(traffic, 1, stack)
+        with pytest.raises(Overloaded):
+            await stack.enter_async_context(traffic.slot())
+
+
+async def test_a_fixed_limit_ignores_vllms_queue_and_queued_requests_get_the_places_freed():
+    traffic = LiveTraffic(1, 1)
+    traffic.engine_queue(0)
+    order = []
+
+    async def request(name: str, seconds: float) -> None:
+        async with traffic.slot():
+            order.append(name)
+            await asyncio.sleep(seconds)
+
+    first = asyncio.create_task(request("first", 0.1))
+    await asyncio.sleep(0.01)
+    second = asyncio.create_task(request("second", 0))
+    await asyncio.sleep(0.01)
+    with pytest.raises(Overloaded):  # one in flight, one queued: the third is refused at once
+        async with traffic.slot():
+            pass
+    await asyncio.gather(first, second)
+    assert order == ["first", "second"] and traffic.max_in_flight == 1 and traffic.running == 0
