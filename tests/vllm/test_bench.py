@@ -54,3 +54,28 @@ def test_harness_end_to_end_on_a_tiny_slice(tmp_path, vllm_url):
 
     table = report(tmp_path / "prompts" / "replay.json")
     assert "bench.replay" in table and table.count("\n| `") == 4
+
+
+@pytest.mark.vllm
+def test_throughput_runs_the_app_naive_and_the_replay_of_the_apps_requests(tmp_path, vllm_url):
+    """bench.throughput as users would run it: the app as a child over HTTP, its requests captured and replayed
+    to vLLM alone, and naive RAG, on the same questions; every arm answered and was measured."""
+    from bench.report import report
+    from bench.throughput import main
+
+    out = tmp_path / "throughput.json"
+    assert main(["--data", str(tiny_squad(tmp_path / "tiny")), "--chroma", str(tmp_path / "chroma"),
+                 "--vllm-url", vllm_url, "--concurrency", "2", "--max-tokens", "4", "--streamed", "yes,no",
+                 "--requests", "3", "--duration-s", "60", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    rows = {(r["arm"], r["streamed"]): r for r in result["results"]}
+    assert set(rows) == {(arm, streamed) for arm in ("prefixrag", "replay", "naive") for streamed in (True, False)}
+    for row in rows.values():
+        assert row["answers"] == row["requests"] == 32 and row["statuses"] == {"200": 32}, row
+        assert 0 < row["ttft_ms"]["p50"] <= row["e2e_ms"]["p99"] and row["vllm_requests"] >= 32
+    app = rows[("prefixrag", True)]
+    assert app["app_ms"]["retrieve"]["p50"] >= 0 and app["app_ms"]["upstream_ttft"]["p50"] > 0
+    assert app["outside_vllm_ms"]["p50"] < app["ttft_ms"]["p50"] and app["app_cpu_s"] > 0
+    # The replay sent vLLM exactly the app's prompts: the same prompt tokens, cached as they were for the app.
+    assert rows[("replay", True)]["vllm_hit_rate"] >= app["vllm_hit_rate"] - 0.05
+    assert out.with_suffix(".png").stat().st_size > 1000 and "bench.throughput" in report(out)

@@ -1,0 +1,109 @@
+"""``bench.throughput``'s figures: per arm, what its clients saw; what the app spent (its stages, its CPU);
+what vLLM's own histograms say over the arm; the plot and the one-line summary."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from app.vllm.client import metric_total
+from bench.stats import percentile
+
+APP_ENV_DEFAULTS: dict[str, str] = {}  # prefixrag is measured with its defaults: nothing beyond what a user sets
+HISTOGRAMS = {"ttft": "vllm:time_to_first_token_seconds", "queue": "vllm:request_queue_time_seconds",
+              "prefill": "vllm:request_prefill_time_seconds", "e2e": "vllm:e2e_request_latency_seconds"}
+STAGES = ("retrieve", "assemble", "upstream_ttft", "ttft")
+
+
+def ms(values: list[float]) -> dict[str, float]:
+    return {f"p{q}": round(percentile(values, q), 1) for q in (50, 95, 99)}
+
+
+def sample_stats(samples: list, wall_s: float) -> dict:
+    ok = [s for s in samples if s.status == 200]
+    statuses: dict[str, int] = {}
+    for s in samples:
+        statuses[str(s.status)] = statuses.get(str(s.status), 0) + 1
+    row = {"requests": len(samples), "answers": len(ok), "statuses": statuses, "wall_s": round(wall_s, 2),
+           "answers_per_s": round(len(ok) / wall_s, 2) if wall_s else 0.0,
+           "ttft_ms": ms([s.ttft_s * 1000 for s in ok]), "e2e_ms": ms([s.e2e_s * 1000 for s in ok]),
+           "errors": sorted({s.error for s in samples if s.error})[:3]}
+    timed = [s for s in ok if s.server_ms]
+    if timed:  # the app's own stages, and what lies outside vLLM as this client saw it
+        row["app_ms"] = {stage: ms([s.server_ms[stage] for s in timed]) for stage in STAGES}
+        row["outside_vllm_ms"] = ms([s.ttft_s * 1000 - s.server_ms["upstream_ttft"] for s in timed])
+        row["relay_ms"] = ms([s.ttft_s * 1000 - s.server_ms["ttft"] for s in timed])
+    return row
+
+
+def engine_figures(before: dict[str, str], after: dict[str, str]) -> dict:
+    """vLLM's mean queue, prefill, TTFT and end-to-end time (ms) and its prefix-cache hit rate over the arm,
+    from its own counters (summed over the servers behind the URL)."""
+    def delta(name: str) -> float:
+        return sum(metric_total(after[s], name) - metric_total(before.get(s, ""), name) for s in after)
+
+    means = {}
+    for key, name in HISTOGRAMS.items():
+        count = delta(name + "_count")
+        means[key] = round(delta(name + "_sum") / count * 1000, 1) if count else None
+    queries = delta("vllm:prefix_cache_queries_total")
+    return {"vllm_mean_ms": means, "vllm_requests": delta("vllm:request_success_total"),
+            "vllm_hit_rate": round(delta("vllm:prefix_cache_hits_total") / queries, 4) if queries else None}
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of ``pid`` and every process below it (an app with several workers)."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    children: dict[int, list[int]] = {}
+    stats: dict[int, list[str]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            stats[int(entry)] = fields
+            children.setdefault(int(fields[1]), []).append(int(entry))
+    total, todo = 0.0, [pid]
+    while todo:
+        current = todo.pop()
+        if current in stats:
+            total += (int(stats[current][11]) + int(stats[current][12])) / ticks
+        todo += children.get(current, [])
+    return total
+
+
+def summary(result: dict) -> str:
+    lines = [f"{'arm':<10} {'c':>4} {'tok':>4} {'stream':>6} {'ans/s':>7} {'TTFT p50':>9} {'p99':>7} {'outside':>8}"]
+    for r in result["results"]:
+        outside = r.get("outside_vllm_ms", {}).get("p50", "")
+        lines.append(f"{r['arm']:<10} {r['concurrency']:>4} {r['max_tokens']:>4} {str(r['streamed']):>6} "
+                     f"{r['answers_per_s']:>7} {r['ttft_ms']['p50']:>9} {r['ttft_ms']['p99']:>7} {outside:>8}")
+    return "\n".join(lines)
+
+
+def plot_throughput(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, (rate, ttft) = plt.subplots(1, 2, figsize=(11, 4))
+    series: dict[tuple, list[dict]] = {}
+    for r in result["results"]:
+        series.setdefault((r["arm"], r["max_tokens"], r["streamed"]), []).append(r)
+    for (arm, tokens, streamed), rows in series.items():
+        label = f"{arm}, {tokens} tok{'' if streamed else ', not streamed'}"
+        xs = [r["concurrency"] for r in rows]
+        rate.plot(xs, [r["answers_per_s"] for r in rows], marker="o", label=label)
+        ttft.plot(xs, [r["ttft_ms"]["p50"] for r in rows], marker="o", label=label)
+    for axis, title in ((rate, "answers / s"), (ttft, "TTFT p50 (ms)")):
+        axis.set_xscale("log", base=2)
+        axis.set_xlabel("concurrent clients")
+        axis.set_title(title)
+        axis.grid(alpha=0.3)
+    ttft.legend(fontsize=7)
+    figure.suptitle(f"{result['dataset']}: {result['environment'].get('gpu') or 'CPU'}")
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)

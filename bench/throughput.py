@@ -1,0 +1,210 @@
+"""``python -m bench.throughput``: answers per second and time to first token under closed-loop load, as users run
+the service, against the same vLLM and on the same questions in one run:
+
+- **prefixrag**: the app as users start it (``python -m app``, its settings from the environment), asked over HTTP
+  (``POST /ask``), once its pre-warm is done;
+- **naive**: dense top-k in the LangChain layout, retrieved in this process, sent straight to vLLM;
+- **replay**: vLLM alone, sent exactly the requests the app sent in the prefixrag arm of the same cell (captured at
+  the app's client seam), at the same concurrency: what the engine and vLLM's front end do with them.
+
+Each cell (concurrency x answer length x streamed or not) takes a fresh slice of the shuffled questions, the
+same slice for every arm, so no arm finds a question the app has already answered. Per arm it reports answers/s,
+TTFT p50/p95/p99 (streamed: the first answer text; not streamed: the whole answer), and for the app the time its
+stages took (retrieval, building the prompt, vLLM's first token as the app saw it, the relay), the app's CPU
+time per answer, and vLLM's own histograms (queue, prefill, TTFT) over the arm.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from itertools import product
+from pathlib import Path
+
+import httpx
+
+from bench.closed_loop import Arms, closed_loop
+from bench.common import command_line, environment, write_json
+from bench.datasets import load_dataset, sample
+from bench.fleet import Fleet
+from bench.load_report import APP_ENV_DEFAULTS, cpu_seconds, engine_figures, plot_throughput, sample_stats, summary
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m bench.throughput", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--data", type=Path, required=True, help="QA dataset folder (SQuAD/TAT-QA or BEIR layout)")
+    parser.add_argument("--chroma", type=Path, default=Path("data/bench-throughput"), help="on-disk store (re-used)")
+    parser.add_argument("--vllm-url", help="a running vLLM (default: start the CPU test model, 8192 window)")
+    parser.add_argument("--concurrency", default="1,8,32,128", help="closed-loop clients per cell, comma-separated")
+    parser.add_argument("--max-tokens", default="16,256", help="answer lengths, comma-separated")
+    parser.add_argument("--streamed", default="yes", help="yes, no or yes,no")
+    parser.add_argument("--arms", default="prefixrag,replay,naive", help="in this order within each cell")
+    parser.add_argument("--requests", type=int, default=4, help="questions per cell: this many per client, "
+                        "at least 32 (default 4)")
+    parser.add_argument("--duration-s", type=float, default=30.0, help="an arm stops sending after this long")
+    parser.add_argument("--top-k", type=int, default=5, help="k of naive's retrieval")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--app-env", action="append", default=[], metavar="RAG_X=V",
+                        help="a setting for the app, besides the benchmark's own (repeatable)")
+    parser.add_argument("--out", type=Path, default=Path("bench/results/throughput.json"))
+    parser.add_argument("--app-log", type=Path, help="keep the app's log here (default: discarded)")
+    parser.add_argument("--profile", type=Path, help="sample the app with py-spy during each prefixrag arm "
+                        "(folded stacks, one file per cell, into this folder)")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    dataset = load_dataset(args.data)
+    collection = f"bench-{dataset.name}"[:60]
+    ingest(args, dataset, collection)
+    with tempfile.TemporaryDirectory(prefix="bench-throughput-") as tmp:
+        if args.vllm_url:
+            result = run(args, dataset, collection, args.vllm_url, Path(tmp))
+        else:
+            from app.vllm.process import LocalVLLM
+
+            with LocalVLLM(Path(tmp) / "vllm.log", max_model_len=8192) as url:
+                result = run(args, dataset, collection, url, Path(tmp))
+    result |= {"command": command_line("bench.throughput", argv), "environment": environment()}
+    write_json(args.out, result)
+    plot_throughput(result, args.out.with_suffix(".png"))
+    print(summary(result))
+    return 0
+
+
+def ingest(args: argparse.Namespace, dataset, collection: str) -> None:
+    from app.core.embedder import Embedder
+    from app.core.settings import Settings
+    from ingest.pipeline import run_ingest
+
+    settings = Settings(_env_file=None)
+    settings.chroma.path, settings.chroma.collection = args.chroma, collection
+    report = run_ingest([dataset.passages], settings, Embedder(settings.embedding))
+    print(f"ingest: {report.chunks_written} chunks written into {collection}", flush=True)
+
+
+def run(args: argparse.Namespace, dataset, collection: str, vllm_url: str, tmp: Path) -> dict:
+    from app.vllm.process import app_child, free_port
+
+    port, capture = free_port(), tmp / "capture.jsonl"
+    app_env = APP_ENV_DEFAULTS | {"RAG_VLLM_URL": vllm_url, "RAG_CHROMA_PATH": str(args.chroma),
+                                  "RAG_COLLECTION": collection, "RAG_CONTEXT__HOTNESS_DIR": str(tmp / "hotness"),
+                                  "RAG_VLLM__CAPTURE_PATH": str(capture)}
+    app_env |= dict(pair.split("=", 1) for pair in args.app_env)
+    app = app_child(args.app_log or tmp / "app.log", app_env, port).start()
+    try:
+        url = f"http://127.0.0.1:{port}"
+        app.wait_for(url + "/readyz", 900)
+        warmup = asyncio.run(warmed(url))
+        cells = asyncio.run(measure(args, dataset, url, vllm_url, capture, app.pid))
+    finally:
+        app.stop()
+    given = {name: value for name, value in app_env.items() if name not in ("RAG_VLLM__CAPTURE_PATH",)}
+    return {"dataset": dataset.name, "config": {k: str(v) for k, v in vars(args).items()}, "app_env": given,
+            "warmup": warmup, "results": cells}
+
+
+async def warmed(url: str, timeout_s: float = 1800) -> dict:
+    """Wait until the app's pre-warm has finished (the benchmark measures warm traffic); its progress."""
+    deadline = time.monotonic() + timeout_s
+    async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+        while time.monotonic() < deadline:
+            progress = (await client.get("/readyz")).json()["warmup"]
+            if not progress["state"].startswith(("warming", "waiting")):
+                print(f"pre-warm {progress['state']}: {progress['units_warmed']} units", flush=True)
+                return progress
+            await asyncio.sleep(2)
+    raise TimeoutError("pre-warm did not finish")
+
+
+async def measure(args: argparse.Namespace, dataset, app_url: str, vllm_url: str, capture: Path,
+                  app_pid: int) -> list[dict]:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from app.core.embedder import Embedder
+    from app.core.settings import Settings, VLLMSettings
+    from app.rag.retriever import Retriever
+    from app.vllm.client import LLMClient
+
+    settings = Settings(_env_file=None)
+    settings.chroma.path, settings.chroma.collection = args.chroma, f"bench-{dataset.name}"[:60]
+    retriever = Retriever.over(Embedder(settings.embedding).load(), settings.chroma, ThreadPoolExecutor(4))
+    llm = LLMClient(VLLMSettings(url=vllm_url))
+    llm.use_model((await llm.list_models())[0]["id"])
+    arms, fleet = Arms(app_url, vllm_url, llm, retriever, args.top_k), await Fleet.discover(vllm_url)
+    questions = [q.text for q in sample(dataset.questions, len(dataset.questions), args.seed)]
+    cells, used = [], 0
+    grid = product(map(int, args.max_tokens.split(",")), [s == "yes" for s in args.streamed.split(",")],
+                   map(int, args.concurrency.split(",")))
+    try:
+        for max_tokens, streamed, concurrency in grid:
+            count = max(32, args.requests * concurrency)
+            chosen = [questions[(used + i) % len(questions)] for i in range(count)]
+            used += count
+            for arm in args.arms.split(","):
+                with profiled(args.profile if arm == "prefixrag" else None, app_pid,
+                              f"c{concurrency}-t{max_tokens}-{'stream' if streamed else 'whole'}"):
+                    cells.append(await one_arm(arm, arms, fleet, chosen, capture, app_pid, args.duration_s,
+                                               concurrency, max_tokens, streamed))
+                print(json.dumps({k: cells[-1][k] for k in ("arm", "concurrency", "max_tokens", "streamed",
+                                                           "answers_per_s", "ttft_ms")}), flush=True)
+    finally:
+        await arms.aclose()
+        await fleet.aclose()
+        await llm.aclose()
+        retriever.index.close()
+    return cells
+
+
+async def one_arm(arm: str, arms: Arms, fleet: Fleet, questions: list[str], capture: Path, app_pid: int,
+                  duration_s: float, concurrency: int, max_tokens: int, streamed: bool) -> dict:
+    if arm == "replay":  # what the app sent in this cell's prefixrag arm, in the order it sent it
+        lines = capture.read_text().splitlines()[-arms.captured:] if arms.captured else []
+        items: list = [json.loads(line) for line in lines]
+        one = lambda captured: arms.replay(captured, streamed)  # noqa: E731
+    else:
+        items = questions
+        send = arms.prefixrag if arm == "prefixrag" else arms.naive
+        one = lambda question: send(question, max_tokens, streamed)  # noqa: E731
+    captured_before = len(capture.read_text().splitlines()) if capture.exists() else 0
+    before, cpu_before = await fleet.metrics(), cpu_seconds(app_pid)
+    samples, wall_s = await closed_loop(concurrency, items, one, duration_s)
+    after, cpu_after = await fleet.metrics(), cpu_seconds(app_pid)
+    if arm == "prefixrag":
+        arms.captured = len(capture.read_text().splitlines()) - captured_before if capture.exists() else 0
+    row = {"arm": arm, "concurrency": concurrency, "max_tokens": max_tokens, "streamed": streamed}
+    row |= engine_figures(before, after) | {"app_cpu_s": round(cpu_after - cpu_before, 3) if arm == "prefixrag"
+                                            else None}
+    return row | sample_stats(samples, wall_s)
+
+
+@contextlib.contextmanager
+def profiled(folder: Path | None, pid: int, name: str) -> Iterator[None]:
+    """py-spy samples ``pid`` (all its threads, 100 Hz) while the body runs; folded stacks into ``folder``."""
+    if folder is None:
+        yield
+        return
+    folder.mkdir(parents=True, exist_ok=True)
+    spy = subprocess.Popen([shutil.which("py-spy") or "py-spy", "record", "-p", str(pid), "-r", "100", "-f", "raw",
+                            "--nonblocking", "-o", str(folder / f"profile-{name}.txt")],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        yield
+    finally:
+        spy.send_signal(signal.SIGINT)  # py-spy writes what it sampled and exits
+        spy.wait(60)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
