@@ -17,6 +17,8 @@ import httpx
 from app.vllm.client import Completion, LLMClient, read_event
 from bench.modes import NAIVE_SYSTEM
 
+MAX_RETRIES = 30  # a question refused this often is counted as refused
+
 
 @dataclass
 class Sample:
@@ -27,6 +29,8 @@ class Sample:
     e2e_s: float = 0.0
     server_ms: dict[str, float] = field(default_factory=dict)
     error: str | None = None
+    refused: int = 0  # 429s before it was admitted (the client waited each one's Retry-After)
+    waited_s: float = 0.0
 
 
 async def closed_loop(concurrency: int, items: Sequence[Any], one: Callable[[Any], Awaitable[Sample]],
@@ -73,15 +77,31 @@ class Arms:
         await self.vllm.aclose()
 
     async def prefixrag(self, question: str, max_tokens: int, streamed: bool) -> Sample:
+        """One question to the app; a 429 is waited out (its Retry-After) and sent again, as a client would."""
+        refused, waited = 0, 0.0
+        while True:
+            sample = await self._ask(question, max_tokens, streamed)
+            if sample.status != 429 or refused >= MAX_RETRIES:
+                sample.refused, sample.waited_s = refused, waited
+                return sample
+            refused, pause = refused + 1, sample.ttft_s
+            await asyncio.sleep(pause)
+            waited += pause
+
+    async def _ask(self, question: str, max_tokens: int, streamed: bool) -> Sample:
         started = time.perf_counter()
         body = {"question": question, "max_tokens": max_tokens, "stream": streamed}
         try:
             if not streamed:
                 response = await self.app.post("/ask", json=body)
+                if response.status_code == 429:  # how long to wait goes where the time would
+                    return Sample(429, float(response.headers.get("retry-after", 1)))
                 done = time.perf_counter() - started
                 timings = response.json().get("timings_ms", {}) if response.status_code == 200 else {}
                 return Sample(response.status_code, done, done, timings)
             async with self.app.stream("POST", "/ask", json=body) as response:
+                if response.status_code == 429:
+                    return Sample(429, float(response.headers.get("retry-after", 1)))
                 if response.status_code != 200:
                     await response.aread()
                     return Sample(response.status_code, error=response.text[:200])

@@ -27,7 +27,9 @@ def sample_stats(samples: list, wall_s: float) -> dict:
     row = {"requests": len(samples), "answers": len(ok), "statuses": statuses, "wall_s": round(wall_s, 2),
            "answers_per_s": round(len(ok) / wall_s, 2) if wall_s else 0.0,
            "ttft_ms": ms([s.ttft_s * 1000 for s in ok]), "e2e_ms": ms([s.e2e_s * 1000 for s in ok]),
-           "errors": sorted({s.error for s in samples if s.error})[:3]}
+           "errors": sorted({s.error for s in samples if s.error})[:3],
+           "refused_before_admitted": sum(s.refused for s in samples),
+           "waited_s_p50": round(percentile([s.waited_s for s in samples], 50), 2)}
     timed = [s for s in ok if s.server_ms]
     if timed:  # the app's own stages, and what lies outside vLLM as this client saw it
         row["app_ms"] = {stage: ms([s.server_ms[stage] for s in timed]) for stage in STAGES}
