@@ -14,7 +14,8 @@ from typing import Any
 
 import httpx
 
-from app.vllm.client import Completion, LLMClient, read_event
+from app.vllm.client import LLMClient
+from app.vllm.wire import Completion, read_event
 from bench.modes import NAIVE_SYSTEM
 
 MAX_RETRIES = 30  # a question refused this often is counted as refused

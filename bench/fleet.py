@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import httpx
 
-from app.vllm.client import metric_total, replicas_of
+from app.vllm.prometheus import metric_total
+from app.vllm.wire import replicas_of
 
 COUNTERS = {"hits": "vllm:prefix_cache_hits_total", "queries": "vllm:prefix_cache_queries_total",
             "requests": "vllm:request_success_total", "prompt_tokens": "vllm:prompt_tokens_total"}

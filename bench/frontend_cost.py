@@ -43,7 +43,8 @@ def timed_ms(client: httpx.Client, path: str, body: dict) -> float:
 async def via_app(url: str, model: str, messages: list[dict], ids: list[int], repeats: int) -> dict[str, list[float]]:
     """The same two ways through the app's own vLLM client (what token-id prompts use), streamed."""
     from app.core.settings import VLLMSettings
-    from app.vllm.client import Completion, LLMClient
+    from app.vllm.client import LLMClient
+    from app.vllm.wire import Completion
 
     llm = LLMClient(VLLMSettings(url=url + "/v1"))
     llm.use_model(model)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from app.vllm.client import metric_total
+from app.vllm.prometheus import metric_total
 from bench.stats import percentile
 
 APP_ENV_DEFAULTS: dict[str, str] = {}  # prefixrag is measured with its defaults: nothing beyond what a user sets

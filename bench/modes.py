@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from app.rag.pipeline import Answer
 from app.rag.requests import Query
-from app.vllm.client import Completion, Delta
+from app.vllm.wire import Completion, Delta
 
 # Verbatim from LangChain's RAG tutorial (the usual way RAG prompts are built).
 NAIVE_SYSTEM = (

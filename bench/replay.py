@@ -22,7 +22,7 @@ from pathlib import Path
 
 import httpx
 
-from app.vllm.client import metric_total, parse_metric_labels
+from app.vllm.prometheus import metric_total, parse_metric_labels
 from bench.ceiling import BlockCacheCeiling
 from bench.common import environment, write_json
 from bench.fleet import Fleet, counters_of, difference

@@ -23,8 +23,8 @@ from app.rag.planner import ContextPlanner
 from app.rag.requests import ChatQuery, Conversation, Query, RequestRules
 from app.rag.retriever import Retriever
 from app.rag.seams import LLM
-from app.vllm.client import Completion, Delta, UpstreamInfo
 from app.vllm.prompt_ids import PromptIds
+from app.vllm.wire import Completion, Delta, UpstreamInfo
 
 log = logging.getLogger("prefixrag.pipeline")
 RETRIEVAL_CACHE_SIZE = 1024

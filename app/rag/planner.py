@@ -19,7 +19,7 @@ from app.rag.seams import LLM
 from app.rag.strategies import QUESTION_HEADROOM_TOKENS, Canonical, ContextStrategy, Corpus, Document, Reuse
 from app.rag.trie import ServedTrie
 from app.rag.units import Hotness, UnitIndex, Window, window_of
-from app.vllm.client import UpstreamInfo
+from app.vllm.wire import UpstreamInfo
 
 log = logging.getLogger("prefixrag.planner")
 MIN_CHUNK_TOKENS = 4  # a rendered chunk is never shorter: its header alone (id, title) takes more

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
-from app.vllm.client import Completion, Delta
+from app.vllm.wire import Completion, Delta
 
 
 class Embedder(Protocol):

@@ -11,7 +11,7 @@ import logging
 from app.core.errors import ServiceError
 from app.runtime.traffic import LiveTraffic
 from app.runtime.upstream import Upstream
-from app.vllm.client import metric_total
+from app.vllm.prometheus import metric_total
 
 log = logging.getLogger("prefixrag.capacity")
 WAITING = "vllm:num_requests_waiting"

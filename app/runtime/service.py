@@ -17,7 +17,7 @@ from app.runtime.readiness import Readiness
 from app.runtime.traffic import LiveTraffic
 from app.runtime.upstream import Upstream
 from app.runtime.warmup import Warmer
-from app.vllm.client import Delta
+from app.vllm.wire import Delta
 
 log = logging.getLogger("prefixrag.service")
 

@@ -13,7 +13,9 @@ from dataclasses import dataclass
 
 from app.core.errors import ServiceError, UpstreamUnavailable
 from app.core.settings import VLLMSettings
-from app.vllm.client import LLMClient, Replica, UpstreamInfo, metric_total, parse_metric_labels
+from app.vllm.client import LLMClient
+from app.vllm.prometheus import metric_total, parse_metric_labels
+from app.vllm.wire import Replica, UpstreamInfo
 
 log = logging.getLogger("prefixrag.upstream")
 

@@ -20,7 +20,7 @@ from app.rag.planner import ContextPlanner, WarmPlan, WarmUnit
 from app.rag.seams import LLM
 from app.runtime.traffic import LiveTraffic
 from app.runtime.upstream import Upstream
-from app.vllm.client import UpstreamInfo
+from app.vllm.wire import UpstreamInfo
 
 log = logging.getLogger("prefixrag.warmup")
 

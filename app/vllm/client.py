@@ -5,40 +5,28 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import openai
 from openai import AsyncOpenAI, DefaultAsyncHttpxClient
-from prometheus_client.parser import text_string_to_metric_families
-from prometheus_client.samples import Sample
 
-from app.core.errors import BadRequest, ContextTooLong, UpstreamError, UpstreamTimeout, UpstreamUnavailable
+from app.core.errors import BadRequest
 from app.core.settings import VLLMSettings
-
-
-@dataclass
-class Completion:
-    text: str = ""
-    finish_reason: str | None = None
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cached_tokens: int = 0
-
-
-@dataclass(frozen=True)
-class Replica:
-    url: str
-    healthy: bool
-
-
-@dataclass(frozen=True)
-class Delta:
-    text: str
-
+from app.vllm.wire import (
+    Completion,
+    Delta,
+    Replica,
+    read_event,
+    replicas_of,
+    special_tokens_of,
+    status_error,
+    upstream_errors,
+    upstream_message,
+    wire,
+)
 
 # Idle connections to vLLM are dropped after 2 s, before vLLM's (uvicorn's) 5 s keep-alive closes them: with
 # httpx's own 5 s, a request sent on a connection idle for ~5 s can meet vLLM closing it and fail as "not
@@ -180,132 +168,8 @@ class LLMClient:
         with upstream_errors():
             response = await self.http.post(path, json=body)
             if response.status_code == 400:
-                raise BadRequest(_upstream_message(response))
+                raise BadRequest(upstream_message(response))
             response.raise_for_status()
             return response.json() if response.content else {}
 
 
-class upstream_errors:
-    """Translate SDK/HTTP failures into the service's named errors (a context manager for sync + async use)."""
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, exc_type, exc, tb):
-        if exc is None or not isinstance(exc, (openai.OpenAIError, httpx.HTTPError)):
-            return False
-        if isinstance(exc, (openai.APITimeoutError, httpx.TimeoutException)):
-            raise UpstreamTimeout(f"vLLM did not answer in time: {exc}") from exc
-        if isinstance(exc, (openai.APIConnectionError, httpx.TransportError)):
-            raise UpstreamUnavailable(f"vLLM is not reachable: {exc}") from exc
-        if isinstance(exc, openai.BadRequestError):
-            if "maximum context length" in exc.message:
-                raise ContextTooLong(f"vLLM rejected the request: {exc.message}", param="messages") from exc
-            raise BadRequest(f"vLLM rejected the request: {exc.message}") from exc
-        status = getattr(getattr(exc, "response", None), "status_code", None)
-        if status in (502, 503, 504):
-            raise UpstreamUnavailable(f"vLLM answered {status}") from exc
-        if status == 500 and "error sending request" in str(exc):
-            # vllm-router's words when the replica it chose (after its retries) cannot be reached: a replica is
-            # down, which is "try again shortly" (the router drops it within its health-check interval).
-            raise UpstreamUnavailable(f"a vLLM replica behind the router is unreachable: {exc}") from exc
-        raise UpstreamError(f"vLLM error ({status}): {exc}") from exc
-
-
-def wire(request: dict) -> tuple[dict, dict[str, str]]:
-    """A request from ``chat_request`` as it goes over the wire: its JSON body (the SDK-style ``extra_body``
-    merged in) and its headers."""
-    body = {key: value for key, value in request.items() if key not in ("extra_headers", "extra_body")}
-    return body | request.get("extra_body", {}), dict(request.get("extra_headers", {}))
-
-
-def read_event(event: dict, result: Completion, completion: bool) -> Iterator[str]:
-    """The answer text one streamed event carries (chat deltas, or a completion's text); usage and the finish
-    reason go into ``result``. An error event (vLLM failed mid-stream) raises."""
-    if "error" in event:
-        raise UpstreamError(f"vLLM failed mid-answer: {event['error'].get('message', event['error'])}")
-    if usage := event.get("usage"):
-        result.prompt_tokens, result.completion_tokens = usage["prompt_tokens"], usage["completion_tokens"]
-        result.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
-    for choice in event.get("choices") or ():
-        result.finish_reason = choice.get("finish_reason") or result.finish_reason
-        text = choice.get("text") if completion else (choice.get("delta") or {}).get("content")
-        if text:
-            result.text += text
-            yield text
-
-
-def status_error(response: httpx.Response) -> Exception:
-    """The service's error for a refused streaming request, as the SDK's status errors are translated."""
-    message, status = _upstream_message(response), response.status_code
-    if status == 400:
-        if "maximum context length" in message:
-            return ContextTooLong(f"vLLM rejected the request: {message}", param="messages")
-        return BadRequest(f"vLLM rejected the request: {message}")
-    if status in (502, 503, 504):
-        return UpstreamUnavailable(f"vLLM answered {status}")
-    if status == 500 and "error sending request" in message:
-        return UpstreamUnavailable(f"a vLLM replica behind the router is unreachable: {message}")
-    return UpstreamError(f"vLLM error ({status}): {message}")
-
-
-def _upstream_message(response: httpx.Response) -> str:
-    try:
-        return response.json()["error"]["message"]
-    except Exception:
-        return response.text[:500]
-
-
-def _samples(metrics_text: str, name: str) -> Iterator[Sample]:
-    """Every sample named ``name`` (``vllm:prompt_tokens_total``, ``..._count``), as prometheus_client parses it.
-    Only those lines go to the parser: all of vLLM's /metrics takes it ~10 ms, and the monitor runs on the loop."""
-    wanted = "".join(line + "\n" for line in metrics_text.splitlines() if line.startswith((name + "{", name + " ")))
-    try:
-        for family in text_string_to_metric_families(wanted):
-            yield from (sample for sample in family.samples if sample.name == name)
-    except ValueError as exc:  # not Prometheus text (a proxy's error page): vLLM is not what answered
-        raise UpstreamError(f"unreadable /metrics: {exc}") from exc
-
-
-def parse_metric_labels(metrics_text: str, name: str) -> dict[str, str] | None:
-    """Labels of the first sample of an info-style gauge, e.g. ``vllm:cache_config_info``."""
-    return next((dict(sample.labels) for sample in _samples(metrics_text, name)), None)
-
-
-def metric_total(metrics_text: str, name: str) -> float:
-    """Sum of all samples of a counter (all engines/models)."""
-    return sum(sample.value for sample in _samples(metrics_text, name))
-
-
-def replicas_of(response: httpx.Response) -> list[Replica] | None:
-    """vllm-router's ``GET /workers`` body as replicas; None where the body is not one."""
-    try:
-        return [Replica(w["url"], bool(w["is_healthy"])) for w in response.json()["workers"]]
-    except (ValueError, KeyError, TypeError):
-        return None
-
-
-def special_tokens_of(info: dict) -> list[str]:
-    """Special-token strings in a tokenizer's config: ``*_token`` fields, ``additional_special_tokens`` and the
-    added tokens (each a string, or a dict with ``content``)."""
-    def text(value) -> str | None:
-        value = value.get("content") if isinstance(value, dict) else value
-        return value if isinstance(value, str) and value else None
-
-    found = [info[key] for key in info if key.endswith("_token")]
-    found += list(info.get("additional_special_tokens") or [])
-    found += list((info.get("added_tokens_decoder") or {}).values())
-    return sorted({t for t in map(text, found) if t})
-
-
-@dataclass
-class UpstreamInfo:
-    """What vLLM serves, as the monitor (``app.runtime.upstream``) last read it."""
-
-    model: str
-    max_model_len: int
-    block_size: int
-    prefix_caching: bool
-    kv_cache_tokens: int
-    special_tokens: tuple[str, ...] = ()  # the served tokenizer's, kept out of untrusted text
-    root: str = ""  # where vLLM loads the model from (/v1/models), a local folder or a hub id

@@ -12,9 +12,9 @@ import pytest
 from openai import OpenAI
 
 from app.serve.app import create_app
-from app.vllm.client import metric_total
 from app.vllm.cluster import Cluster
 from app.vllm.process import free_port
+from app.vllm.prometheus import metric_total
 from tests.support.corpora import app_settings, tiny_squad
 from tests.support.servers import AppServer
 

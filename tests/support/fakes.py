@@ -13,8 +13,9 @@ from types import SimpleNamespace
 
 from app.core.errors import ContextTooLong
 from app.core.settings import VLLMSettings
-from app.vllm.client import Completion, Delta, LLMClient
+from app.vllm.client import LLMClient
 from app.vllm.testmodel import CHAT_TEMPLATE
+from app.vllm.wire import Completion, Delta
 
 BLOCK = 16
 

@@ -10,7 +10,7 @@ import pytest
 from httpx_sse import connect_sse
 
 from app.serve.app import create_app
-from app.vllm.client import metric_total
+from app.vllm.prometheus import metric_total
 from ingest.pipeline import run_ingest
 from tests.support.corpora import FACTS, app_settings, floor_block
 from tests.support.env import ROOT

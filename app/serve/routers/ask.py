@@ -25,7 +25,7 @@ from app.serve.protocol import (
     sources_of,
 )
 from app.serve.routers.streaming import event_stream, sse, started, unless_client_leaves
-from app.vllm.client import Delta
+from app.vllm.wire import Delta
 
 log = logging.getLogger("prefixrag.ask")
 router = APIRouter(tags=["ask"], dependencies=[Authorized])

@@ -35,7 +35,7 @@ from app.serve.protocol import (
     sources_of,
 )
 from app.serve.routers.streaming import event_stream, sse, started, unless_client_leaves
-from app.vllm.client import Delta
+from app.vllm.wire import Delta
 
 log = logging.getLogger("prefixrag.chat")
 router = APIRouter(prefix="/v1", tags=["openai"], dependencies=[Authorized])

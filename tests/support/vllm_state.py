@@ -1,0 +1,38 @@
+"""What the real vLLM test server is doing, read from its own /metrics: requests running or waiting, prompt tokens
+prefilled, requests finished; and a bounded wait for a condition."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+
+from app.vllm.prometheus import metric_total
+
+LONG = 3000  # answer tokens: the CPU test model decodes for far longer than any check below waits
+IGNORE_EOS = {"ignore_eos": True}  # the dummy-weight model may pick EOS early; these answers must run long
+
+
+def vllm_metrics(vllm_url: str) -> str:
+    return httpx.get(vllm_url.removesuffix("/v1") + "/metrics", timeout=10).text
+
+
+def running(vllm_url: str) -> float:
+    text = vllm_metrics(vllm_url)
+    return metric_total(text, "vllm:num_requests_running") + metric_total(text, "vllm:num_requests_waiting")
+
+
+def vllm_counters(vllm_url: str) -> tuple[float, float]:
+    """(prompt tokens prefilled, requests finished) so far."""
+    text = vllm_metrics(vllm_url)
+    return metric_total(text, "vllm:prompt_tokens_total"), metric_total(text, "vllm:request_success_total")
+
+
+def wait_until(predicate, timeout: float, what: str) -> float:
+    """Seconds until ``predicate()`` held; fails after ``timeout``."""
+    started = time.monotonic()
+    while not predicate():
+        if time.monotonic() - started > timeout:
+            raise AssertionError(f"{what}: not within {timeout} s")
+        time.sleep(0.1)
+    return time.monotonic() - started
