@@ -7,9 +7,15 @@ import argparse
 import math
 import os
 import sys
+from typing import TYPE_CHECKING
 
 import uvicorn
 from pydantic import ValidationError
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+
+    from app.core.settings import Settings
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -48,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _create(settings):
+def _create(settings: Settings) -> FastAPI:
     from app.serve.app import create_app
 
     return create_app(settings)

@@ -8,6 +8,7 @@ re-measures every chunk, so nothing is ever silently truncated by the encoder's 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from langchain_text_splitters import RecursiveCharacterTextSplitter
 
@@ -37,7 +38,7 @@ class Chunk:
 
 
 class Chunker:
-    def __init__(self, tokenizer, size: int, overlap: int, window: int) -> None:
+    def __init__(self, tokenizer: Any, size: int, overlap: int, window: int) -> None:
         self.tokenizer = tokenizer
         self.window = window
         self.size = min(size, window)

@@ -12,6 +12,10 @@ import json
 import signal
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from app.core.settings import Settings
 
 EXIT_OK, EXIT_SOME_FAILED, EXIT_USAGE, EXIT_FATAL, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 
@@ -34,7 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def settings_from(args: argparse.Namespace):
+def settings_from(args: argparse.Namespace) -> Settings:
     from app.core.settings import Settings, overridden
 
     settings = Settings()
@@ -44,7 +48,7 @@ def settings_from(args: argparse.Namespace):
                                  "chroma.url": args.chroma_url, "chunking.parent_field": args.parent_field})
 
 
-def _interrupt(signum, frame) -> None:
+def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt  # SIGTERM (docker stop, systemd) ends the run like Ctrl-C: one line, exit 130
 
 

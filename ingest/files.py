@@ -7,6 +7,7 @@ import hashlib
 import stat
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from app.core.settings import Settings
 from ingest.chunking import Chunk
@@ -25,7 +26,7 @@ class FileResult:
     plans: list[tuple[SourceDocument, str, list[Chunk] | None]] = field(default_factory=list)  # doc, hash, chunks
 
 
-def discover(roots: list[Path]) -> tuple[list[tuple[Path, str]], int, list[dict]]:
+def discover(roots: list[Path]) -> tuple[list[tuple[Path, str]], int, list[dict[str, Any]]]:
     """Supported files under the roots, sorted (deterministic order); how many were skipped as unknown; and the
     entries that are no readable file (dangling or looping links, FIFOs, linked folders), each with why."""
     found, unknown, unreadable = [], 0, []
@@ -61,7 +62,7 @@ def not_a_file(path: Path) -> str:
     return "FIFO (named pipe), not a regular file" if stat.S_ISFIFO(mode) else "not a regular file"
 
 
-def load(path: Path, rel: str, settings: Settings, identity: str, stored_by_source: dict) -> FileResult:
+def load(path: Path, rel: str, settings: Settings, identity: str, stored_by_source: dict[str, Any]) -> FileResult:
     result = FileResult(path, rel)
     try:
         size_mb = path.stat().st_size / 1e6

@@ -6,6 +6,7 @@ import io
 import json
 import re
 from pathlib import Path
+from typing import Any
 
 from ingest.documents import LoadError, SourceDocument, sections_from_blocks
 from ingest.html import html_to_blocks
@@ -50,14 +51,14 @@ def decode_text(raw: bytes) -> str:
         raise LoadError(f"not valid UTF-8: byte 0x{raw[exc.start]:02x} at offset {exc.start}") from None
 
 
-def _single(rel: str, title: str, blocks, kind: str) -> SourceDocument:
+def _single(rel: str, title: str, blocks: Any, kind: str) -> SourceDocument:
     sections = sections_from_blocks(blocks)
     if not sections:
         raise LoadError("empty: no text to ingest")
     return SourceDocument(doc_id=rel, source=rel, title=title, sections=sections, parent_id=rel, kind=kind)
 
 
-def _markdown_blocks(text: str):
+def _markdown_blocks(text: str) -> Any:
     """Split markdown at headings (outside code fences), keeping the heading path of each block."""
     blocks, path, lines, title, in_fence = [], list[tuple[int, str]](), list[str](), "", False
     for line in text.splitlines():
@@ -123,11 +124,11 @@ def _load_jsonl(raw: bytes, rel: str, parent_field: str | None) -> list[SourceDo
     return documents
 
 
-def _scalar(value) -> bool:
+def _scalar(value: object) -> bool:
     return isinstance(value, str | int) and not isinstance(value, bool)
 
 
-def _record_document(record, rel: str, parent_field: str | None) -> SourceDocument:
+def _record_document(record: dict[str, Any], rel: str, parent_field: str | None) -> SourceDocument:
     if not isinstance(record, dict):
         raise LoadError("record is not a JSON object")
     record_id = next((record[f] for f in ID_FIELDS if record.get(f) not in (None, "")), None)

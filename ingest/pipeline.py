@@ -15,6 +15,7 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 from app.core import lexical, pages
 from app.core.settings import Settings
@@ -33,7 +34,7 @@ from ingest.report import IngestReport, Progress
 from ingest.writer import ChunkWriter
 
 
-def chunker_for(settings: Settings, embedder) -> Chunker:
+def chunker_for(settings: Settings, embedder: Any) -> Chunker:
     # Its own tokenizer copy: chunking runs on a worker thread while the encoder tokenizes on the caller's.
     return Chunker(copy.deepcopy(embedder.tokenizer), settings.chunking.size, settings.chunking.overlap,
                    embedder.max_tokens)
@@ -54,7 +55,7 @@ def is_unchanged(stored: StoredDocument | None, doc_hash: str) -> bool:
     return stored is not None and stored.doc_hash == doc_hash and stored.complete
 
 
-def run_ingest(roots: list[Path], settings: Settings, embedder, *, prune: bool = False, dry_run: bool = False,
+def run_ingest(roots: list[Path], settings: Settings, embedder: Any, *, prune: bool = False, dry_run: bool = False,
                progress: Progress | None = None) -> IngestReport:
     started = time.perf_counter()
     progress = progress or Progress(enabled=False)
@@ -90,7 +91,7 @@ def run_ingest(roots: list[Path], settings: Settings, embedder, *, prune: bool =
     return report
 
 
-def _write_and_prune(files, prepare, stored: dict[str, StoredDocument], ids_by_source: dict[str, list[str]],
+def _write_and_prune(files: Any, prepare: Any, stored: dict[str, StoredDocument], ids_by_source: dict[str, list[str]],
                      writer: ChunkWriter, report: IngestReport, settings: Settings, prune: bool,
                      progress: Progress) -> None:
     """Ingest every file, then delete what is stale: documents no longer in a file that loaded (or, with
@@ -116,7 +117,7 @@ def _write_and_prune(files, prepare, stored: dict[str, StoredDocument], ids_by_s
     report.files_removed = len({stored[doc].source for doc in stale} - loaded_sources)
 
 
-def _open_for(settings: Settings, embedder, dry_run: bool):
+def _open_for(settings: Settings, embedder: Any, dry_run: bool) -> Any:
     """A dry run creates nothing: a collection that does not exist yet reads as empty."""
     try:
         return open_collection(settings.chroma, embedder, create=not dry_run)
@@ -138,7 +139,7 @@ def plan(result: FileResult, stored: dict[str, StoredDocument], chunker: Callabl
     return result
 
 
-def prefetched(items: list, prepare, depth: int):
+def prefetched(items: list[Any], prepare: Any, depth: int) -> Any:
     """``prepare(*item)`` for each item, in order, at most ``depth`` ahead on one worker thread."""
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="ingest-load") as pool:
         pending = deque(pool.submit(prepare, *item) for item in items[:depth])

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -19,8 +20,8 @@ class IngestReport:
     files_removed: int = 0
     documents_removed: int = 0
     skipped_unknown: int = 0
-    skipped_unreadable: list[dict] = field(default_factory=list)  # no regular file: dangling links, FIFOs ...
-    failed: list[dict] = field(default_factory=list)
+    skipped_unreadable: list[dict[str, Any]] = field(default_factory=list)  # no regular file: dangling links, FIFOs ...
+    failed: list[dict[str, Any]] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     chunks_written: int = 0
     chunks_embedded: int = 0
@@ -32,7 +33,7 @@ class IngestReport:
     def writes(self) -> int:
         return self.chunks_written + self.chunks_deleted + self.chunks_relabeled
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return asdict(self) | {"files_failed": len(self.failed)}
 
     def summary(self) -> str:
@@ -64,7 +65,7 @@ class Progress:
         self.files_done = 0
 
     @contextmanager
-    def files(self, total: int, written: Callable[[], int]):
+    def files(self, total: int, written: Callable[[], int]) -> Iterator[Callable[[str], None]]:
         """Yields ``advance(name)``, called once per file done; ``written()`` is the chunks stored so far (writes
         are batched, so it lags the files: the last line is printed on leaving, after the caller's last write)."""
         if not self.enabled:
@@ -84,7 +85,7 @@ class Progress:
     def _count(self, name: str) -> None:
         self.files_done += 1
 
-    def _lines(self, total: int, written: Callable[[], int], started: float):
+    def _lines(self, total: int, written: Callable[[], int], started: float) -> Callable[[str], None]:
         last = started
 
         def line(name: str) -> None:
@@ -103,7 +104,7 @@ class Progress:
               f"{chunks / elapsed if elapsed else 0:.1f} chunks/s, ETA {eta:.0f}s", file=sys.stderr, flush=True)
 
     @contextmanager
-    def _bar(self, total: int):
+    def _bar(self, total: int) -> Iterator[Callable[[str, int], None]]:
         from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
         from rich.progress import Progress as Bar
 

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from app.core.records import ChunkRecord
+from app.core.seams import Embedder
 from app.core.store import StoreError
 from ingest.chunking import Chunk
 from ingest.documents import SourceDocument
@@ -20,14 +22,14 @@ class _Pending:
     remaining: int  # chunks of this document not yet upserted
 
 
-def max_write_batch(collection, wanted: int) -> int:
+def max_write_batch(collection: Any, wanted: int) -> int:
     """``wanted``, capped to the most rows Chroma accepts in one write (it refuses a larger upsert outright)."""
     limit = collection._client.get_max_batch_size() if collection is not None else wanted
     return max(1, min(wanted, limit))
 
 
 class ChunkWriter:
-    def __init__(self, collection, embedder, batch: int, dry_run: bool, report,
+    def __init__(self, collection: Any, embedder: Embedder, batch: int, dry_run: bool, report: Any,
                  before_first_write: Callable[[], None] = lambda: None) -> None:
         self.collection, self.embedder = collection, embedder
         # Called once, before the collection is first changed: the generation stamp moves before any row does,
@@ -36,7 +38,7 @@ class ChunkWriter:
         self.batch = max_write_batch(collection, batch)
         self.dry_run, self.report = dry_run, report
         self.vectors: dict[str, np.ndarray] = {}  # content hash -> embedding, this run and re-used stored ones
-        self.buffer: list[tuple[str, Chunk, dict]] = []
+        self.buffer: list[tuple[str, Chunk, dict[str, Any]]] = []
         self.pending: dict[str, _Pending] = {}
 
     def add_document(self, document: SourceDocument, chunks: list[Chunk], doc_hash: str,
@@ -63,12 +65,12 @@ class ChunkWriter:
         for batch in self._batches(buffered):
             self._write(batch)
 
-    def _batches(self, items: list) -> Iterator[list]:
+    def _batches(self, items: list[Any]) -> Iterator[list[Any]]:
         """``items`` in slices Chroma accepts: every read and write here goes through this."""
         for start in range(0, len(items), self.batch):
             yield items[start:start + self.batch]
 
-    def _write(self, batch: list[tuple[str, Chunk, dict]]) -> None:
+    def _write(self, batch: list[tuple[str, Chunk, dict[str, Any]]]) -> None:
         self._embed_missing([chunk for _, chunk, _ in batch])
         if not self.dry_run:
             self._changing()
@@ -133,7 +135,7 @@ class ChunkWriter:
                 self.collection.delete(ids=batch)
 
 
-def chunk_metadata(document: SourceDocument, chunk: Chunk, doc_hash: str, n_chunks: int) -> dict:
+def chunk_metadata(document: SourceDocument, chunk: Chunk, doc_hash: str, n_chunks: int) -> dict[str, Any]:
     return ChunkRecord(
         doc_id=document.doc_id, source=document.source, title=document.title, chunk_index=chunk.index,
         n_chunks=n_chunks, start=chunk.start, end=chunk.end, headings=" > ".join(chunk.headings),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import threading
 from functools import cached_property
+from typing import Any
 
 from app.core.settings import PACKAGED_EMBEDDER, EmbeddingSettings
 
@@ -34,14 +35,14 @@ class Embedder:
         return self
 
     @property
-    def model(self):
+    def model(self) -> Any:
         with self._lock:  # two threads asking first must not load it twice
             if self._model is None:
                 self._model = _load(self.settings)
             return self._model
 
     @cached_property
-    def tokenizer(self):
+    def tokenizer(self) -> Any:
         tokenizer = self.model.tokenizer
         # We count tokens of whole sections before splitting them: silence the "longer than max length" warning.
         tokenizer.model_max_length = 10**9
@@ -64,7 +65,7 @@ class Embedder:
             texts, batch_size=self.settings.batch_size, normalize_embeddings=True,
             convert_to_numpy=True, show_progress_bar=False,
         )
-        return vectors.tolist()
+        return list(vectors.tolist())
 
 
 def limit_threads(threads: int) -> None:
@@ -74,7 +75,7 @@ def limit_threads(threads: int) -> None:
     torch.set_num_threads(threads)
 
 
-def _load(settings: EmbeddingSettings):
+def _load(settings: EmbeddingSettings) -> Any:
     # Weights never come from a hub at run time: everything is local.
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -82,5 +83,5 @@ def _load(settings: EmbeddingSettings):
     from sentence_transformers import SentenceTransformer
     from transformers.utils import logging as hf_logging
 
-    hf_logging.disable_progress_bar()  # "Loading weights" bars would clutter CLI output and logs
+    hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]  # "Loading weights" bars would clutter CLI output and logs
     return SentenceTransformer(resolve_model_path(settings.model), device=settings.device)

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from app.core.records import ChunkRecord
+from app.core.seams import Collection
 from app.core.settings import ChromaSettings
 from app.core.store import all_rows, derived_dir, stamp_of
 
@@ -34,7 +35,7 @@ def index_dir(cfg: ChromaSettings) -> Path:
     return derived_dir(cfg, "lexical")
 
 
-def _bm25s():
+def _bm25s() -> Any:
     """bm25s, kept off the GPU. Where jax is installed (common on GPU machines), importing bm25s imports jax and
     runs a top-k, and jax then claims 75 % of the GPU's memory (vLLM's, on a serving machine; measured on an H200:
     "Failed to allocate 14.16GiB" beside vLLM, every query's selection then a jax dispatch beside vLLM's kernels).
@@ -46,10 +47,10 @@ def _bm25s():
 
 
 def tokenize(texts: list[str]) -> list[list[str]]:
-    return _bm25s().tokenize(texts, stopwords="en", stemmer=_stemmer(), return_ids=False, show_progress=False)
+    return list(_bm25s().tokenize(texts, stopwords="en", stemmer=_stemmer(), return_ids=False, show_progress=False))
 
 
-def _stemmer():
+def _stemmer() -> Any:
     """One per thread (PyStemmer's stemmers are not thread-safe), built once: every question is tokenized on the
     request path."""
     import Stemmer
@@ -81,7 +82,7 @@ class LexicalIndex:
         return [(self.ids[i], float(s)) for i, s in zip(found[0], scores[0]) if s > 0]
 
 
-def build(collection) -> LexicalIndex:
+def build(collection: Collection) -> LexicalIndex:
     """Read every row of the collection (a page at a time) and index it."""
     generation, _ = stamp_of(collection)
     ids, texts, sources = [], [], []
@@ -122,7 +123,7 @@ def load(folder: Path) -> LexicalIndex | None:
     return LexicalIndex(meta["generation"], meta["ids"], meta["sources"], bm25)
 
 
-def current(collection, cfg: ChromaSettings, *, write: bool) -> LexicalIndex:
+def current(collection: Collection, cfg: ChromaSettings, *, write: bool) -> LexicalIndex:
     """The index matching the collection as it is now: the saved one if its stamp matches, else built afresh
     (and saved, with ``write``: ingest, holding the write lock)."""
     folder = index_dir(cfg)

@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from app.core.records import ChunkRecord
+from app.core.seams import Collection
 from app.core.settings import ChromaSettings, PageSettings
 from app.core.store import all_rows, derived_dir, stamp_of
 
@@ -59,7 +60,7 @@ class Parents:
     vectors: np.ndarray
 
 
-def read_parents(collection) -> Parents:
+def read_parents(collection: Collection) -> Parents:
     sums: dict[str, np.ndarray] = {}
     chars: dict[str, int] = {}
     for rows in all_rows(collection, ["embeddings", "metadatas", "documents"]):
@@ -102,7 +103,7 @@ def _pack(leaves: list[list[int]], tokens: np.ndarray, limit: float) -> list[lis
     return pages
 
 
-def build(collection, size: int, previous: PageIndex | None = None) -> PageIndex:
+def build(collection: Collection, size: int, previous: PageIndex | None = None) -> PageIndex:
     """Pages of about ``size`` tokens (0: none), keeping ``previous``'s where it was built for that size."""
     generation, count = stamp_of(collection)
     if not size:
@@ -165,7 +166,7 @@ def load(path: Path) -> PageIndex | None:
         return None
 
 
-def current(collection, cfg: ChromaSettings, settings: PageSettings, *, write: bool) -> PageIndex:
+def current(collection: Collection, cfg: ChromaSettings, settings: PageSettings, *, write: bool) -> PageIndex:
     """The pages of the collection as it is now: the saved ones if their stamp matches, else rebuilt from the
     saved ones (and saved, with ``write``: ingest, holding the write lock). The page size is ingest's choice:
     a service rebuilds with the size the saved pages were made for (``settings`` only where none were saved)."""

@@ -4,6 +4,7 @@ lexical index, pages and ingest's own bookkeeping read it back with ``from_metad
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
+from typing import Any
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,7 +35,7 @@ class ChunkRecord:
         return asdict(self)
 
     @classmethod
-    def from_metadata(cls, meta: dict) -> ChunkRecord:
+    def from_metadata(cls, meta: dict[str, Any]) -> ChunkRecord:
         """Rows written before a field existed read as its default; keys this version does not know are ignored."""
         return cls(**{name: meta[name] for name in _FIELDS if name in meta})
 

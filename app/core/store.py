@@ -14,9 +14,11 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, cast
 from urllib.parse import urlparse
 
 from app.core.records import ChunkRecord
+from app.core.seams import Collection, Embedder
 from app.core.settings import ChromaSettings
 
 os.environ.setdefault("ANONYMIZED_TELEMETRY", "False")
@@ -39,7 +41,7 @@ class LockBusy(StoreError):
 _CLIENT_LOCK = threading.Lock()
 
 
-def open_client(cfg: ChromaSettings, create: bool = True):
+def open_client(cfg: ChromaSettings, create: bool = True) -> Any:
     """``create=False`` (the service): an on-disk store that is not there is missing, never made anew empty."""
     import chromadb
     from chromadb.config import Settings as ChromaClientSettings
@@ -65,7 +67,7 @@ def open_client(cfg: ChromaSettings, create: bool = True):
         raise StoreError(f"cannot open Chroma at {where}: {exc}") from exc
 
 
-def open_collection(cfg: ChromaSettings, embedder, create: bool):
+def open_collection(cfg: ChromaSettings, embedder: Embedder, create: bool) -> Collection:
     """The collection (``create``: made if missing); ``embedder`` names the encoder the collection must have
     been embedded with (its ``dimension`` is read only to create one: opening never loads the encoder)."""
     embedder_name = embedder.name
@@ -88,7 +90,7 @@ def open_collection(cfg: ChromaSettings, embedder, create: bool):
     if stored and stored != embedder_name:
         raise StoreError(f"collection {cfg.collection!r} was embedded with {stored!r}, not {embedder_name!r}: "
                          "use the same embedding model or another collection")
-    return collection
+    return cast(Collection, collection)
 
 
 def derived_dir(cfg: ChromaSettings, kind: str) -> Path:
@@ -101,23 +103,23 @@ def derived_dir(cfg: ChromaSettings, kind: str) -> Path:
     return Path(cfg.path) / f"prefixrag-{kind}" / cfg.collection
 
 
-def stamp_of(collection) -> tuple[str, int]:
+def stamp_of(collection: Collection) -> tuple[str, int]:
     """(generation, row count): what an index derived from the collection must match to be current."""
     return (collection.metadata or {}).get(GENERATION_KEY, ""), collection.count()
 
 
-def mark_changed(collection) -> None:
+def mark_changed(collection: Collection) -> None:
     """Renew the collection's generation stamp (under the write lock): services drop what they cached of it."""
     collection.modify(metadata={**(collection.metadata or {}), GENERATION_KEY: uuid.uuid4().hex})
 
 
-def read_generation(cfg: ChromaSettings, embedder) -> str | None:
+def read_generation(cfg: ChromaSettings, embedder: Embedder) -> str | None:
     """The collection's generation as stored now (opened afresh, not a cached object); None while it is missing."""
     try:
         collection = open_collection(cfg, embedder, create=False)
     except CollectionMissing:
         return None
-    return (collection.metadata or {}).get(GENERATION_KEY, "")
+    return str((collection.metadata or {}).get(GENERATION_KEY, ""))
 
 
 def forget_clients() -> None:
@@ -142,7 +144,8 @@ class StoredDocument:
         return bool(self.doc_hash) and len(self.ids) == self.n_chunks
 
 
-def all_rows(collection, include: list[str], where: dict | None = None, size: int = PAGE) -> Iterator[dict]:
+def all_rows(collection: Collection, include: list[str], where: dict[str, Any] | None = None,
+             size: int = PAGE) -> Iterator[dict[str, Any]]:
     """Every row of the collection (or those matching ``where``), ``size`` rows per read: memory stays flat on
     large collections, and a reader may hand each page to another thread (``next`` per page)."""
     offset = 0
@@ -154,7 +157,7 @@ def all_rows(collection, include: list[str], where: dict | None = None, size: in
         offset += size
 
 
-def stored_documents(collection) -> dict[str, StoredDocument]:
+def stored_documents(collection: Collection) -> dict[str, StoredDocument]:
     """What the collection holds, per document id: its hash, expected chunk count and present chunk ids."""
     documents: dict[str, StoredDocument] = {}
     for page in all_rows(collection, ["metadatas"]):
@@ -171,7 +174,7 @@ def stored_documents(collection) -> dict[str, StoredDocument]:
 
 
 @contextmanager
-def write_lock(cfg: ChromaSettings, timeout_s: float):
+def write_lock(cfg: ChromaSettings, timeout_s: float) -> Iterator[None]:
     """Serialise writers of an on-disk collection; a Chroma server serialises writes itself."""
     if cfg.url:
         yield

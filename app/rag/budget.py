@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from typing import Any, Protocol
 
 from app.core.errors import ContextTooLong
 from app.rag.context import ContextChunk
 
 MAX_ROUNDS = 8
-Render = Callable[[list[ContextChunk]], list[dict]]
+Render = Callable[[list[ContextChunk]], list[dict[str, Any]]]
 
 
 class OverBudget(ContextTooLong):
@@ -35,7 +36,7 @@ class TokenEstimator:
         self.chars_per_token: float | None = None  # None until vLLM has counted one of our prompts
         self._lock = threading.Lock()
 
-    def observe(self, messages: list[dict], prompt_tokens: int) -> None:
+    def observe(self, messages: list[dict[str, Any]], prompt_tokens: int) -> None:
         """Learn from a prompt vLLM counted (warm-ups, answered requests)."""
         if prompt_tokens <= 0:
             return
@@ -43,19 +44,25 @@ class TokenEstimator:
         with self._lock:
             self.chars_per_token = min(ratio, self.chars_per_token or ratio)
 
-    def estimate(self, messages: list[dict]) -> int | None:
+    def estimate(self, messages: list[dict[str, Any]]) -> int | None:
         if self.chars_per_token is None:
             return None
         return int(prompt_chars(messages) / self.chars_per_token * (1 + self.margin)) + self.slack_tokens
 
 
-def prompt_chars(messages: list[dict]) -> int:
+class Tokenizer(Protocol):
+    """Counts a prompt's tokens exactly as vLLM will (the vLLM client's ``/tokenize``)."""
+
+    async def tokenize(self, messages: list[dict[str, Any]]) -> list[int]: ...
+
+
+def prompt_chars(messages: list[dict[str, Any]]) -> int:
     return sum(len(m["content"]) for m in messages)
 
 
-async def fit_to_budget(render: Render, llm, chunks: list[ContextChunk], budget: int,
+async def fit_to_budget(render: Render, llm: Tokenizer, chunks: list[ContextChunk], budget: int,
                         chunk_chars: Callable[[ContextChunk], int], estimator: TokenEstimator | None = None,
-                        ) -> tuple[list[dict], list[ContextChunk], int]:
+                        ) -> tuple[list[dict[str, Any]], list[ContextChunk], int]:
     """Render with as many of ``chunks`` as fit; ``chunk_chars`` tells how much text one chunk adds.
 
     Returns (messages, chunks kept, token count: exact, or the estimate when the estimate sufficed)."""

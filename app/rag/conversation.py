@@ -15,8 +15,9 @@ when forgotten, rebuilt as a pure function of its hits), so turn n+1's prompt st
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
-from app.rag.budget import OverBudget, TokenEstimator, fit_to_budget
+from app.rag.budget import OverBudget, TokenEstimator, Tokenizer, fit_to_budget
 from app.rag.context import ContextChunk, PromptBuilder, canonical
 
 
@@ -65,14 +66,14 @@ def conversation_messages(builder: PromptBuilder, turns: list[Turn], contexts: l
     return messages
 
 
-async def fit_conversation(plan: Plan, builder: PromptBuilder, llm, system: str, budget: int,
-                           estimator: TokenEstimator | None) -> tuple[list[dict], list[ContextChunk]]:
+async def fit_conversation(plan: Plan, builder: PromptBuilder, llm: Tokenizer, system: str, budget: int,
+                           estimator: TokenEstimator | None) -> tuple[list[dict[str, Any]], list[ContextChunk]]:
     """The prompt within ``budget``: the newest context trimmed by rank; if even none fits, the oldest
     exchange goes (that request then misses the cache, its prefix changed) and it tries again."""
     while True:
         turns, contexts = plan.turns, plan.contexts
 
-        def render(last: list[ContextChunk]) -> list[dict]:
+        def render(last: list[ContextChunk]) -> list[dict[str, Any]]:
             return conversation_messages(builder, turns, contexts[:-1] + [last], system)  # noqa: B023
 
         try:

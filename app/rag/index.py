@@ -40,7 +40,7 @@ class CollectionIndex:
         self._collection: Any = None
         self._sources: tuple[float, list[str]] = (0.0, [])
         # Indexes derived from the collection as opened (BM25, pages), each loaded or being built.
-        self._derived: dict[str, Future] = {}
+        self._derived: dict[str, Future[Any]] = {}
 
     def close(self) -> None:
         self.background_executor.shutdown(wait=False, cancel_futures=True)
@@ -89,11 +89,15 @@ class CollectionIndex:
     def lexical_index(self, wait: bool = False) -> lexical.LexicalIndex | None:
         """The BM25 index of the collection as opened: loaded from ingest's files when their stamp matches,
         else built from Chroma's rows, on the background thread. None while that runs (unless ``wait``)."""
-        return self._index("lexical", lambda c: lexical.current(c, self.chroma, write=False), wait)
+        found: lexical.LexicalIndex | None = self._index(
+            "lexical", lambda c: lexical.current(c, self.chroma, write=False), wait)
+        return found
 
     def page_index(self, wait: bool = False) -> pages.PageIndex | None:
         """The collection's pages (``app.core.pages``), loaded or rebuilt like the BM25 index."""
-        return self._index("pages", lambda c: pages.current(c, self.chroma, self.paging, write=False), wait)
+        found: pages.PageIndex | None = self._index(
+            "pages", lambda c: pages.current(c, self.chroma, self.paging, write=False), wait)
+        return found
 
     def indexes_in_use(self) -> tuple[str, ...]:
         """The derived indexes answers need: pages always (units), BM25 unless retrieval is dense alone."""
@@ -114,7 +118,7 @@ class CollectionIndex:
                     await asyncio.wrap_future(self._derived[kind])
                 build(True)
 
-    def _index(self, kind: str, build: Callable, wait: bool) -> Any:
+    def _index(self, kind: str, build: Callable[[Any], Any], wait: bool) -> Any:
         if kind not in self._derived:
             self._derived[kind] = self.background_executor.submit(build, self.collection)
         future = self._derived[kind]
@@ -126,7 +130,7 @@ class CollectionIndex:
             self._derived.pop(kind, None)
             raise StoreUnavailable(f"the {kind} index could not be built: {exc}") from exc
 
-    async def chunks_where(self, where: dict | None, texts: bool = True) -> list[ContextChunk]:
+    async def chunks_where(self, where: dict[str, Any] | None, texts: bool = True) -> list[ContextChunk]:
         """All chunks matching a metadata filter (a parent document, or the whole collection), off the loop, a
         page per call (background work pauses for users between pages); ``texts=False`` reads metadata only
         (their ``text`` is then empty)."""
@@ -172,7 +176,7 @@ def chroma_errors(action: str) -> Iterator[None]:
         raise StoreUnavailable(f"Chroma {action} failed: {exc}") from exc
 
 
-def to_chunk(chunk_id: str, text: str, meta: dict, score: float = 0.0, rank: int = 0,
+def to_chunk(chunk_id: str, text: str, meta: dict[str, Any], score: float = 0.0, rank: int = 0,
              retrieved: bool = True) -> ContextChunk:
     record = ChunkRecord.from_metadata(meta)
     return ContextChunk(

@@ -9,6 +9,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
+from typing import Any
 
 from app.core.errors import BadRequest, ContextTooLong
 from app.core.metrics import ServiceMetrics
@@ -63,7 +64,7 @@ class Prompt:
     """A request's prompt as sent: its messages, the conversation plan behind them, the context kept after the
     budget, the last question's hits, the strategy that arranged it and its routing key."""
 
-    messages: list[dict]
+    messages: list[dict[str, Any]]
     plan: Plan
     kept: list[ContextChunk]
     hits: list[ContextChunk]

@@ -8,6 +8,7 @@ import logging
 from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from app.core.pages import CHARS_PER_TOKEN
 from app.core.settings import ContextSettings
@@ -40,7 +41,7 @@ class WarmUnit:
     routing key of the requests that will use it."""
 
     key: str
-    pieces: list[list[dict]]
+    pieces: list[list[dict[str, Any]]]
     affinity: str
 
 
@@ -48,7 +49,7 @@ class WarmUnit:
 class WarmPlan:
     """What pre-warm sends, hottest first: the stable prefix, then units as the plan reads them."""
 
-    prefix: list[dict]
+    prefix: list[dict[str, Any]]
     units: AsyncIterator[WarmUnit]
     piece_tokens: int  # each unit is sent in pieces of about this many new tokens (0: whole)
     verdict: CorpusVerdict | None = None

@@ -39,7 +39,7 @@ class Neutraliser:
 
     def __init__(self) -> None:
         self.served: tuple[str, ...] = ()  # as last given; the pattern is rebuilt only when they change
-        self._pattern: re.Pattern | None = None
+        self._pattern: re.Pattern[str] | None = None
 
     def use(self, tokens: tuple[str, ...]) -> None:
         """Adopt the served tokenizer's special tokens (``Upstream`` publishes them whenever they change)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from app.core.errors import BadRequest
 from app.core.settings import RequestLimits
@@ -21,7 +22,7 @@ class Sampling:
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
 
-    def options(self) -> dict:
+    def options(self) -> dict[str, Any]:
         """The parameters a client set, but temperature (the service has a default of its own for it)."""
         chosen = {"top_p": self.top_p, "stop": self.stop,
                   "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty}

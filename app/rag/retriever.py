@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
+from typing import Any
 
 from app.core.settings import ChromaSettings, PageSettings, RetrievalSettings
 from app.rag.context import ContextChunk
@@ -55,20 +56,22 @@ class Retriever:
         kept = self.index.chunks([i for i, _ in fused], [score for _, score in fused])  # deleted since: gone
         return [replace(chunk, rank=rank) for rank, chunk in enumerate(kept)]
 
-    def _query(self, question: str, k: int, where: dict | None, include: list[str],
-               vector: list[float] | None = None) -> dict:
+    def _query(self, question: str, k: int, where: dict[str, Any] | None, include: list[str],
+               vector: list[float] | None = None) -> dict[str, Any]:
         vector = vector if vector is not None else self.embedder.embed([question])[0]
         with chroma_errors("query"):
-            return self.index.collection.query(query_embeddings=[vector], n_results=k, where=where,
-                                               include=include)
+            found: dict[str, Any] = self.index.collection.query(query_embeddings=[vector], n_results=k,
+                                                                where=where, include=include)
+        return found
 
-    def _dense(self, question: str, k: int, where: dict | None, vector: list[float] | None) -> list[ContextChunk]:
+    def _dense(self, question: str, k: int, where: dict[str, Any] | None,
+               vector: list[float] | None) -> list[ContextChunk]:
         found = self._query(question, k, where, ["documents", "metadatas", "distances"], vector)
         rows = zip(found["ids"][0], found["documents"][0], found["metadatas"][0], found["distances"][0])
         return [to_chunk(chunk_id, text, meta, 1.0 - distance, rank)
                 for rank, (chunk_id, text, meta, distance) in enumerate(rows)]
 
-    def _where(self, source_prefix: str | None) -> dict | None:
+    def _where(self, source_prefix: str | None) -> dict[str, Any] | None:
         if not source_prefix:
             return None
         return {"source": {"$in": [s for s in self.index.sources() if s.startswith(source_prefix)]}}

@@ -1,32 +1,26 @@
-"""What the request pipeline needs of the parts it does not own: the question encoder and the vLLM client.
-The real ones are ``app.core.embedder.Embedder`` and ``app.vllm.client.LLMClient``; the fast test tier puts a
-fake vLLM behind the client, never a fake here."""
+"""What the request pipeline needs of the parts it does not own: the vLLM client (the real one is
+``app.vllm.client.LLMClient``; the fast test tier's fake subclasses it) and the question encoder (the kernel's
+``Embedder`` protocol)."""
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
+from app.core.seams import Embedder
 from app.vllm.wire import Completion, Delta
 
-
-class Embedder(Protocol):
-    name: str
-
-    @property
-    def dimension(self) -> int: ...
-
-    def embed(self, texts: list[str]) -> list[list[float]]: ...
+__all__ = ["LLM", "Embedder"]
 
 
 class LLM(Protocol):
-    def chat_request(self, messages: list[dict], *, max_tokens: int, temperature: float, prefix_key: str,
+    def chat_request(self, messages: list[dict[str, Any]], *, max_tokens: int, temperature: float, prefix_key: str,
                      stream: bool = True, repetition_penalty: float | None = None, priority: int | None = None,
-                     sampling: dict | None = None, **options: Any) -> dict: ...
+                     sampling: dict[str, Any] | None = None, **options: Any) -> dict[str, Any]: ...
 
-    def stream_chat(self, request: dict, result: Completion,
+    def stream_chat(self, request: dict[str, Any], result: Completion,
                     prompt_ids: list[int] | None = None) -> AsyncIterator[Delta]: ...
 
-    async def complete(self, request: dict) -> Any: ...
+    async def complete(self, request: dict[str, Any]) -> Any: ...
 
-    async def tokenize(self, messages: list[dict]) -> list[int]: ...
+    async def tokenize(self, messages: list[dict[str, Any]]) -> list[int]: ...

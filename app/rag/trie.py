@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import itertools
 import threading
+from collections.abc import Iterator
+from typing import Any
 
 
 class _Node:
@@ -62,7 +64,7 @@ class ServedTrie:
                 del leaf.parent.children[leaf.key]
                 self.nodes -= 1
 
-    def _leaves(self):
+    def _leaves(self) -> Iterator[Any]:
         stack = [self.root]
         while stack:
             node = stack.pop()

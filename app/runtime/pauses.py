@@ -16,6 +16,7 @@ import functools
 import gc
 import logging
 import time
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Histogram
 
@@ -52,7 +53,7 @@ class GCPauses:
     def stop(self) -> None:
         gc.callbacks.remove(self._observe)
 
-    def _observe(self, phase: str, info: dict) -> None:
+    def _observe(self, phase: str, info: dict[str, Any]) -> None:
         # Called by the collector in whichever thread triggered it; the histogram is thread-safe.
         if phase == "start":
             self._started = time.perf_counter()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
+from typing import Any
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -29,7 +30,7 @@ class Readiness:
     def reason(self) -> str:
         return self.collection_problem or self.upstream.reason
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         upstream = self.upstream
         body = {"ready": self.ready, "reason": self.reason, "vllm_url": upstream.vllm_url,
                 "vllm": asdict(upstream.vllm) if upstream.vllm else None}

@@ -10,6 +10,7 @@ import asyncio
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from app.core.errors import ServiceError, UpstreamUnavailable
 from app.core.settings import VLLMSettings
@@ -154,7 +155,7 @@ class Upstream:
     def _replica_count(self) -> str:
         return f"{len(self._healthy(self.replicas))}/{len(self.replicas or ())} healthy"
 
-    def _read_info(self, models: list[dict], metrics: list[str]) -> UpstreamInfo:
+    def _read_info(self, models: list[dict[str, Any]], metrics: list[str]) -> UpstreamInfo:
         """From the model list and each server's metrics; behind a router the KV cache is the replicas' sum
         (each unit is cached on one replica), the rest is read from the first."""
         wanted = self.settings.model

@@ -51,9 +51,9 @@ class Warmer:
         self.progress = WarmupProgress()
         self.priority = settings.priority  # dropped (0) if vLLM does not schedule by priority
         # What is cached now, with each prompt's routing key (benchmarks prime their ceiling with it and replay it).
-        self.warmed_prompts: list[tuple[list[dict], str]] = []
+        self.warmed_prompts: list[tuple[list[dict[str, Any]], str]] = []
         self._kick = asyncio.Event()
-        self._run: asyncio.Task | None = None
+        self._run: asyncio.Task[WarmupProgress] | None = None
         self._started = 0.0
 
     def restart(self) -> None:
@@ -147,7 +147,7 @@ class Warmer:
             self.progress.state = f"stopped: {why}"
         return False
 
-    async def _send(self, messages: list[dict], key: str, whole: bool = True) -> int:
+    async def _send(self, messages: list[dict[str, Any]], key: str, whole: bool = True) -> int:
         """One warm-up request (1 output token), yielding to users, routed like the requests that will use its
         prefix (``key``); returns the prompt tokens vLLM counted. A piece (not ``whole``) only prepares the
         cache for the next one and is not counted."""
@@ -160,7 +160,7 @@ class Warmer:
         self.progress.tokens += tokens
         return tokens
 
-    async def _complete(self, messages: list[dict], key: str) -> Any:
+    async def _complete(self, messages: list[dict[str, Any]], key: str) -> Any:
         request = self.llm.chat_request(messages, max_tokens=1, temperature=0.0, prefix_key=key,
                                         stream=False, priority=self.priority or None)
         try:

@@ -10,15 +10,18 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
+from app.core.seams import Embedder
 from app.core.settings import Settings
 from app.serve.edge import RequestEdge
 from app.serve.http_errors import install_error_handlers
 from app.serve.observability import observe
+from app.vllm.client import LLMClient
 
 log = logging.getLogger("prefixrag")
 
 
-def create_app(settings: Settings | None = None, *, embedder=None, llm=None) -> FastAPI:
+def create_app(settings: Settings | None = None, *, embedder: Embedder | None = None,
+               llm: LLMClient | None = None) -> FastAPI:
     """Build the app. ``embedder`` may be passed in to share one loaded encoder (tests, benchmarks); ``llm``
     replaces the vLLM client (the fast test tier's fake, ``tests/support/fakes.py``)."""
     settings = settings or Settings()

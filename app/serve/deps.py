@@ -15,15 +15,18 @@ from app.serve.edge import key_matches
 
 
 def get_settings(request: Request) -> Settings:
-    return request.app.state.settings
+    settings: Settings = request.app.state.settings
+    return settings
 
 
 def get_service(request: Request) -> Service:
-    return request.app.state.service
+    service: Service = request.app.state.service
+    return service
 
 
 def get_metrics(request: Request) -> ServiceMetrics:
-    return request.app.state.metrics
+    metrics: ServiceMetrics = request.app.state.metrics
+    return metrics
 
 
 SettingsDep = Annotated[Settings, Depends(get_settings)]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -16,7 +17,7 @@ log = logging.getLogger("prefixrag.http")
 HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
 
 
-def reported(exc: ServiceError) -> dict:
+def reported(exc: ServiceError) -> dict[str, Any]:
     """``exc``'s OpenAI error body, as a response or a stream's error event. A failure of ours (5xx) is also
     logged, once, with its reason, on the request's own log line."""
     if exc.status >= 500:

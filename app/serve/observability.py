@@ -10,12 +10,14 @@ from asgi_correlation_id import CorrelationIdFilter, CorrelationIdMiddleware
 from fastapi import FastAPI
 from prometheus_fastapi_instrumentator import Instrumentator
 
+from app.core.metrics import ServiceMetrics
+
 REQUEST_ID_HEADER = "X-Request-ID"
 PROBES = frozenset({"/healthz", "/readyz", "/metrics"})
 LOG_FORMAT = "%(asctime)s %(levelname)s [%(correlation_id)s] %(name)s: %(message)s"
 
 
-def observe(app: FastAPI, metrics) -> None:
+def observe(app: FastAPI, metrics: ServiceMetrics) -> None:
     """HTTP metrics into the service's registry (``http_requests_total{handler,method,status}``,
     ``http_request_duration_seconds``), then the request id, outermost, so that even a request the edge refuses
     (401, 413) gets one. A client's own id (any printable text up to 128 characters) is kept."""

@@ -7,6 +7,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, model_validator
 
+from app.rag.context import ContextChunk
+
 
 def _valid_unicode(text: str) -> str:
     """JSON can carry lone surrogates (``"\\ud800"``) that no tokenizer or UTF-8 encoder accepts: refuse them here."""
@@ -76,7 +78,7 @@ class Source(BaseModel):
     chunk_index: int
 
 
-def sources_of(chunks) -> list[Source]:
+def sources_of(chunks: list[ContextChunk]) -> list[Source]:
     """The API form of the chunks an answer could cite (``app.rag.context.ContextChunk``)."""
     return [Source(id=c.cite_id, chunk_id=c.id, document=c.doc_id, title=c.title, headings=c.headings,
                    page=c.page if c.page > 0 else None, snippet=c.snippet(), score=c.score,

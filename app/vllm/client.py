@@ -75,9 +75,9 @@ class LLMClient:
         await self.openai.close()
         await self.http.aclose()
 
-    def chat_request(self, messages: list[dict], *, max_tokens: int, temperature: float, prefix_key: str,
+    def chat_request(self, messages: list[dict[str, Any]], *, max_tokens: int, temperature: float, prefix_key: str,
                      stream: bool = True, repetition_penalty: float | None = None, priority: int | None = None,
-                     sampling: dict | None = None, **options) -> dict:
+                     sampling: dict[str, Any] | None = None, **options: Any) -> dict[str, Any]:
         """Keyword arguments for ``chat.completions.create``: the single definition of a vLLM request.
         ``priority``: vLLM's scheduling priority (lower first; users 0), for background work; ``sampling``:
         further vLLM sampling parameters (``RAG_SAMPLING__EXTRA_SAMPLING``)."""
@@ -93,7 +93,7 @@ class LLMClient:
         request.update({k: v for k, v in options.items() if v is not None})
         return request
 
-    async def stream_chat(self, request: dict, result: Completion,
+    async def stream_chat(self, request: dict[str, Any], result: Completion,
                           prompt_ids: list[int] | None = None) -> AsyncIterator[Delta]:
         """Yield answer deltas; fill ``result`` with finish reason and usage (incl. cached tokens) as they come.
         ``prompt_ids``: the request's prompt as token ids (``app.vllm.prompt_ids``), sent to ``/v1/completions``
@@ -121,21 +121,21 @@ class LLMClient:
                     for text in read_event(json.loads(data), result, completion=prompt_ids is not None):
                         yield Delta(text)
 
-    async def complete(self, request: dict):
+    async def complete(self, request: dict[str, Any]) -> Any:
         """A non-streaming request (warm-up): the response, with errors translated like every other call."""
         with upstream_errors():
             return await self.openai.chat.completions.create(**request)
 
-    async def tokenize(self, messages: list[dict]) -> list[int]:
+    async def tokenize(self, messages: list[dict[str, Any]]) -> list[int]:
         """Token ids of the prompt exactly as vLLM will build it (chat template + generation prompt)."""
         body = {"model": self.model, "messages": messages, "add_generation_prompt": True}
-        return (await self._post("/tokenize", body))["tokens"]
+        return list((await self._post("/tokenize", body))["tokens"])
 
-    async def list_models(self) -> list[dict]:
+    async def list_models(self) -> list[dict[str, Any]]:
         with upstream_errors():
             response = await self.http.get("/v1/models")
             response.raise_for_status()
-            return response.json()["data"]
+            return list(response.json()["data"])
 
     async def special_tokens(self) -> list[str]:
         """The served tokenizer's special tokens, from vLLM's ``/tokenizer_info`` (started with
@@ -164,7 +164,7 @@ class LLMClient:
         """Needs vLLM started with VLLM_SERVER_DEV_MODE=1 (benchmarks only)."""
         await self._post("/reset_prefix_cache", None)
 
-    async def _post(self, path: str, body: dict | None) -> dict:
+    async def _post(self, path: str, body: dict[str, Any] | None) -> dict[str, Any]:
         with upstream_errors():
             response = await self.http.post(path, json=body)
             if response.status_code == 400:

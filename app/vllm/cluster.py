@@ -109,7 +109,7 @@ class Cluster:
         if wait:
             self.wait_replica(index)
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         for child in [self.router, *self.replicas, *([self.chroma] if self.chroma else [])]:
             child.stop()
 

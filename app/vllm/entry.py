@@ -22,6 +22,7 @@ import os
 import runpy
 import sys
 from collections.abc import Callable
+from typing import Any
 
 PRIME_ENV = "PREFIXRAG_DETOKENIZER_PRIME_TOKENS"  # set by app.vllm.launcher from its settings
 VLLM_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
@@ -29,11 +30,11 @@ VLLM_CLI_MODULE = "vllm.entrypoints.cli.main"  # `vllm serve`, for several API s
 WHOLE_PROMPT_PRIME = "ids=request.prompt_token_ids"  # the upstream line this replaces
 
 
-def tail_primed(upstream_init: Callable, tail: int) -> Callable:
+def tail_primed(upstream_init: Callable[..., None], tail: int) -> Callable[..., None]:
     """``FastIncrementalDetokenizer.__init__`` that primes the decode stream with the prompt's last ``tail`` ids."""
     import tokenizers.decoders
 
-    def __init__(self, tokenizer, request) -> None:
+    def __init__(self: Any, tokenizer: Any, request: Any) -> None:
         upstream_init(self, tokenizer, request)  # cheap: the whole-prompt prime is decoded lazily, on first step
         prompt = request.prompt_token_ids or []
         if len(prompt) > tail:

@@ -19,10 +19,10 @@ ROOT = Path(__file__).resolve().parents[2]  # the project root: children run fro
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+        return int(sock.getsockname()[1])
 
 
-def wait_for_http(url: str, timeout: float, process: subprocess.Popen | None = None) -> None:
+def wait_for_http(url: str, timeout: float, process: subprocess.Popen[bytes] | None = None) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if process is not None and process.poll() is not None:
@@ -43,7 +43,7 @@ class Child:
     def __init__(self, name: str, argv: list[str], log_path: Path | None, env: dict[str, str] | None = None) -> None:
         """``log_path`` None: the child writes to our own terminal."""
         self.name, self.argv, self.log_path, self.env = name, argv, log_path, env or {}
-        self.process: subprocess.Popen | None = None
+        self.process: subprocess.Popen[bytes] | None = None
 
     def start(self) -> Child:
         env = os.environ | {"PYTHONUNBUFFERED": "1"} | self.env
@@ -97,7 +97,7 @@ class Child:
             self.process.wait(30)
 
     @staticmethod
-    def _signal(process: subprocess.Popen, sig: int) -> None:
+    def _signal(process: subprocess.Popen[bytes], sig: int) -> None:
         try:
             os.killpg(process.pid, sig)  # its own process group: the server and every worker it started
         except ProcessLookupError:
@@ -138,5 +138,5 @@ class LocalVLLM:
         self.child.start().wait_for(f"http://127.0.0.1:{self.port}/v1/models", self.startup_timeout_s)
         return f"http://127.0.0.1:{self.port}/v1"
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.child.stop()

@@ -37,10 +37,10 @@ LEARNING = 2  # heads checked against vLLM at a time (background work; more wait
 
 
 class PromptIds:
-    def __init__(self, settings: VLLMSettings, llm) -> None:
+    def __init__(self, settings: VLLMSettings, llm: Any) -> None:
         self.settings, self.llm = settings, llm
         self.tokenizer: Any = None  # the served model's (transformers), loaded once vLLM is known
-        self.heads: OrderedDict[bytes, tuple[array, int]] = OrderedDict()  # head -> (its ids, where tails start)
+        self.heads: OrderedDict[bytes, tuple[array[int], int]] = OrderedDict()  # head -> (its ids, where tails start)
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prompt-ids")
         # Learning (a whole prompt tokenized) runs on a thread and a tokenizer of its own, never ahead of a
         # request's ids (a fast tokenizer is not to be shared between threads).
@@ -48,13 +48,13 @@ class PromptIds:
         self._learner_tokenizer: Any = None
         self._learning: set[bytes] = set()
         self._declined: OrderedDict[bytes, None] = OrderedDict()  # heads whose cut would not re-tokenize alike
-        self._tasks: set[asyncio.Task] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
 
     @property
     def active(self) -> bool:
         return self.tokenizer is not None
 
-    def adopt(self, info) -> None:
+    def adopt(self, info: Any) -> None:
         """Upstream subscriber: vLLM (re)appeared, maybe with another model: drop what was learnt, reload."""
         self.tokenizer = self._learner_tokenizer = None
         self.heads.clear()
@@ -62,7 +62,7 @@ class PromptIds:
         if self.settings.token_id_prompts:
             self._spawn(self._load(self.settings.tokenizer or info.root))
 
-    async def ids(self, messages: list[dict], question: str, lead: str = "") -> list[int] | None:
+    async def ids(self, messages: list[dict[str, Any]], question: str, lead: str = "") -> list[int] | None:
         """The prompt's token ids, exactly as vLLM would make them; None: send it as a chat (no tokenizer here,
         the head's end not found in the rendering, or the head not learnt yet: then it is learnt meanwhile). The
         head ends after ``lead`` (the context's opening units, shared by every question about them whatever
@@ -92,12 +92,13 @@ class PromptIds:
         self._thread.shutdown(wait=False, cancel_futures=True)
         self._learner.shutdown(wait=False, cancel_futures=True)
 
-    def _spawn(self, coroutine) -> None:
+    def _spawn(self, coroutine: Any) -> None:
         task = asyncio.get_running_loop().create_task(coroutine)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    def _known_ids(self, messages: list[dict], question: str, lead: str) -> tuple[list[int] | None, tuple | None]:
+    def _known_ids(self, messages: list[dict[str, Any]], question: str,
+                   lead: str) -> tuple[list[int] | None, tuple[Any, ...] | None]:
         """(ids or None, (head key, rendered prompt, where the head ends) or None if that was not found)."""
         text = self._render(messages)
         at = text.find(lead) if lead else -1  # one scan of the prompt, not a membership test and then a find
@@ -110,7 +111,7 @@ class PromptIds:
         head_ids, tail_start = head
         return head_ids.tolist() + self._encode(text[tail_start:]), (key, text, cut)
 
-    async def _learn(self, messages: list[dict], key: bytes, text: str, cut: int) -> None:
+    async def _learn(self, messages: list[dict[str, Any]], key: bytes, text: str, cut: int) -> None:
         try:
             loop = asyncio.get_running_loop()
             if self._learner_tokenizer is None:  # vLLM changed meanwhile
@@ -149,8 +150,8 @@ class PromptIds:
             return None
         return ids, first_tail_token, tail_start
 
-    def _render(self, messages: list[dict]) -> str:
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    def _render(self, messages: list[dict[str, Any]]) -> str:
+        return str(self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
 
     def _encode(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
@@ -170,14 +171,14 @@ class PromptIds:
         log.info("token-id prompts on: tokenizer from %s", path)
 
 
-def _remember(table: OrderedDict, key: bytes, value) -> None:
+def _remember(table: OrderedDict[bytes, Any], key: bytes, value: Any) -> None:
     """Keep ``value`` under ``key``, dropping the oldest entries beyond ``HEADS``."""
     table[key] = value
     while len(table) > HEADS:
         table.popitem(last=False)
 
 
-def _load_tokenizer(path: str):
+def _load_tokenizer(path: str) -> Any:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(path)

@@ -13,6 +13,7 @@ import argparse
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "special_tokens_map.json")
 # A plain role-tagged template: every role header is fixed text, so prompts differ only where content does.
@@ -23,7 +24,7 @@ CHAT_TEMPLATE = (
 CONFIG_VERSION = "1"  # bump when the files below change, so cached folders are rewritten
 
 
-def llama_config(max_position_embeddings: int, shape: str = "tiny") -> dict:
+def llama_config(max_position_embeddings: int, shape: str = "tiny") -> dict[str, Any]:
     return {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", **SHAPES[shape],
         "max_position_embeddings": max_position_embeddings, "rms_norm_eps": 1e-5, "hidden_act": "silu",

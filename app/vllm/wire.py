@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any, Literal
 
 import httpx
 import openai
@@ -36,10 +37,10 @@ class Delta:
 class upstream_errors:
     """Translate SDK/HTTP failures into the service's named errors (a context manager for sync + async use)."""
 
-    def __enter__(self):
+    def __enter__(self) -> upstream_errors:
         return self
 
-    def __exit__(self, exc_type, exc, tb):
+    def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> Literal[False]:
         if exc is None or not isinstance(exc, (openai.OpenAIError, httpx.HTTPError)):
             return False
         if isinstance(exc, (openai.APITimeoutError, httpx.TimeoutException)):
@@ -60,14 +61,14 @@ class upstream_errors:
         raise UpstreamError(f"vLLM error ({status}): {exc}") from exc
 
 
-def wire(request: dict) -> tuple[dict, dict[str, str]]:
+def wire(request: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
     """A request from ``chat_request`` as it goes over the wire: its JSON body (the SDK-style ``extra_body``
     merged in) and its headers."""
     body = {key: value for key, value in request.items() if key not in ("extra_headers", "extra_body")}
     return body | request.get("extra_body", {}), dict(request.get("extra_headers", {}))
 
 
-def read_event(event: dict, result: Completion, completion: bool) -> Iterator[str]:
+def read_event(event: dict[str, Any], result: Completion, completion: bool) -> Iterator[str]:
     """The answer text one streamed event carries (chat deltas, or a completion's text); usage and the finish
     reason go into ``result``. An error event (vLLM failed mid-stream) raises."""
     if "error" in event:
@@ -99,7 +100,7 @@ def status_error(response: httpx.Response) -> Exception:
 
 def upstream_message(response: httpx.Response) -> str:
     try:
-        return response.json()["error"]["message"]
+        return str(response.json()["error"]["message"])
     except Exception:
         return response.text[:500]
 
@@ -112,10 +113,10 @@ def replicas_of(response: httpx.Response) -> list[Replica] | None:
         return None
 
 
-def special_tokens_of(info: dict) -> list[str]:
+def special_tokens_of(info: dict[str, Any]) -> list[str]:
     """Special-token strings in a tokenizer's config: ``*_token`` fields, ``additional_special_tokens`` and the
     added tokens (each a string, or a dict with ``content``)."""
-    def text(value) -> str | None:
+    def text(value: object) -> str | None:
         value = value.get("content") if isinstance(value, dict) else value
         return value if isinstance(value, str) and value else None
 

@@ -34,7 +34,7 @@ ERRORS: dict[int | str, dict[str, Any]] = STREAMED_200 | {
 
 
 @router.post("/ask", response_model=AskResponse, responses=ERRORS)
-async def ask(body: AskRequest, request: Request, service: ServiceDep, metrics: MetricsDep):
+async def ask(body: AskRequest, request: Request, service: ServiceDep, metrics: MetricsDep) -> Any:
     query = Query(question=body.question, top_k=body.top_k, max_tokens=body.max_tokens,
                   source_prefix=body.filters.source_prefix if body.filters else None)
     if body.stream:

@@ -50,7 +50,7 @@ async def list_models(settings: SettingsDep) -> ModelList:
 
 @router.post("/chat/completions", response_model=ChatCompletion, responses=ERRORS)
 async def chat_completions(body: ChatCompletionRequest, request: Request, service: ServiceDep,
-                           settings: SettingsDep):
+                           settings: SettingsDep) -> Any:
     model = settings.service.model_id
     if body.model not in (None, model):
         raise NotFound(f"model {body.model!r} does not exist; GET /v1/models lists {model!r}", param="model",
@@ -96,7 +96,7 @@ def sources_text(answer: Answer) -> str:
 
 async def _sse(events: AsyncIterator[Delta | Answer], ident: str, created: int, model: str, include_usage: bool,
                append_sources: bool) -> AsyncIterator[bytes]:
-    def chunk(**fields) -> bytes:
+    def chunk(**fields: Any) -> bytes:
         return sse(ChatCompletionChunk(id=ident, created=created, model=model, **fields).model_dump_json(
             exclude_none=True))
 

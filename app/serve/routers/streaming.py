@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator, Awaitable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from fastapi.sse import EventSourceResponse, format_sse_event
 from starlette.requests import Request
@@ -52,7 +52,7 @@ async def started(events: AsyncIterator[T]) -> AsyncIterator[T]:
     return replayed()
 
 
-async def _empty() -> AsyncIterator:
+async def _empty() -> AsyncIterator[Any]:
     return
     yield  # an async generator that yields nothing
 
