@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m app", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     epilog="Settings: see README 'Configuration' (e.g. RAG_VLLM_URL, RAG_CHROMA_PATH, "
+                                     epilog="Settings: see docs/configuration.md (e.g. RAG_VLLM_URL, RAG_CHROMA_PATH, "
                                             "RAG_COLLECTION, RAG_API_KEY).")
     parser.add_argument("--host", help="bind address (RAG_SERVICE__HOST, default 127.0.0.1)")
     parser.add_argument("--port", type=int, help="port (RAG_SERVICE__PORT, default 8080)")

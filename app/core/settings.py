@@ -1,6 +1,6 @@
 """The one settings object of prefixrag (env prefix ``RAG_``, nested with ``__``, ``.env`` supported).
 
-Flat aliases the README documents (``RAG_CHROMA_PATH``, ``RAG_VLLM_URL``, ``RAG_MODEL`` ...) are read too,
+Flat aliases (docs/configuration.md: ``RAG_CHROMA_PATH``, ``RAG_VLLM_URL``, ``RAG_MODEL`` ...) are read too,
 so the common knobs need no double underscores.
 """
 

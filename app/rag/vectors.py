@@ -1,7 +1,7 @@
 """Question embeddings for concurrent requests, encoded together: every question waiting when an encoder call
-frees up goes into one batch, one forward pass instead of one each (on a CPU a question costs a third as much in
-a batch of 16 as alone). A lone question is encoded at once (no wait for company); under load the batches grow
-with the queue. At most ``parallel`` batches run at once, each on a worker thread."""
+frees up goes into one batch, one forward pass instead of one each (far cheaper per question on a CPU). A lone
+question is encoded at once (no wait for company); under load the batches grow with the queue. At most
+``parallel`` batches run at once, each on a worker thread."""
 
 from __future__ import annotations
 

@@ -3,8 +3,8 @@
 Since vllm-project/vllm#34217 (every vLLM we run: 0.26 CUDA, 0.32 CPU) the API server primes each request's
 incremental detokenizer with the *whole* prompt, and that prime is decoded when the first output token arrives, on
 the API server's event loop: O(prompt) work inside every request's TTFT that also holds up every other stream.
-prefixrag's prompts are long and mostly cached, so this is where their first token waits (a 4.4K-token prompt:
-5 ms on a 2-core CPU; README, "Serving vLLM"). Decoding a continuation needs only a short left context, so
+prefixrag's prompts are long and mostly cached, so this is where their first token waits (measured:
+docs/operations.md, "One fix to vLLM's front end"). Decoding a continuation needs only a short left context, so
 the detokenizer is primed with the prompt's last tokens instead — the change proposed upstream in
 vllm-project/vllm#51281 and #57330 (open). The fix applies only where vLLM's code still primes with the whole
 prompt. With one API server (the default) it is installed in this process, which runs vLLM's single-worker server

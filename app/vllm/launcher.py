@@ -58,7 +58,7 @@ def cpu_flags() -> set[str]:
 def cpu_dtype(requested: str, flags: set[str] | None = None) -> str:
     """The CPU backend's dtype: ``auto`` becomes float32 on an x86 CPU without native bf16 (AVX2-only, e.g.
     many AMD EPYC VMs). vLLM takes bf16 from the model's config, oneDNN cannot build a bf16 matmul there, and
-    vLLM falls back to torch's emulated bf16: prefill 3-3.5x slower than float32 (README, "Serving vLLM")."""
+    vLLM falls back to torch's emulated bf16, several times slower than float32 (docs/operations.md)."""
     if requested != "auto" or platform.machine() not in ("x86_64", "AMD64"):
         return requested
     flags = cpu_flags() if flags is None else flags

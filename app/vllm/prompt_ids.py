@@ -1,13 +1,11 @@
 """Token-id prompts: a cached prompt head is tokenized once, here, not by vLLM on every request.
 
 A prefix-cache hit skips prefill, but vLLM's API server still renders the chat template and tokenizes the whole
-prompt on every request: ~2.5 ms per 1K tokens on an H200 host, 11.7 ms of a cached 3.3K-token prompt's 28 ms
-and two thirds of a 28K-token one's TTFT (bench/README.md, "vLLM's front end"). So where this machine has the served
-model's tokenizer, the app renders the chat template itself, keeps the token ids of each prompt's head (the
-context's opening units, which every question about them shares whatever hits follow; else all up to the
-question), tokenizes only the rest and sends the ids to ``/v1/completions``. Opt-in
-(``RAG_VLLM__TOKEN_ID_PROMPTS``): on an H200, end to end, it saved vLLM 3-7 ms per request at 3.8K-11.6K tokens
-but the TTFT did not move beyond its run-to-run spread (bench/README.md, "Token-id prompts, measured").
+prompt on every request, work that grows with the prompt (measured: docs/design.md, token-id prompts). So where
+this machine has the served model's tokenizer, the app renders the chat template itself, keeps the token ids of
+each prompt's head (the context's opening units, which every question about them shares whatever hits follow;
+else all up to the question), tokenizes only the rest and sends the ids to ``/v1/completions``. Opt-in
+(``RAG_VLLM__TOKEN_ID_PROMPTS``).
 
 Exact or unused: a head is used only after its ids, computed here, equalled vLLM's own ``/tokenize`` of a whole
 prompt, in the background (the request that first meets a head goes as a chat, as before); one disagreement turns
