@@ -117,8 +117,11 @@ class LiveTraffic:
     def _set_limit(self, limit: int) -> None:
         self.max_in_flight = limit
         while self._waiting and self.running < self.max_in_flight:
+            place = self._waiting.popleft()
+            if place.done():  # its request was cancelled while it waited: the place goes to the next one
+                continue
             self.running += 1
-            self._waiting.popleft().set_result(None)
+            place.set_result(None)
 
     async def _take_place(self) -> None:
         if self.running < self.max_in_flight and not self._waiting:
@@ -132,7 +135,8 @@ class LiveTraffic:
             if place.done() and not place.cancelled():
                 self._free_place()  # given a place just as it was cancelled: hand it on
             else:
-                self._waiting.remove(place)
+                with contextlib.suppress(ValueError):  # already passed over by _set_limit
+                    self._waiting.remove(place)
             raise
 
     def _free_place(self) -> None:

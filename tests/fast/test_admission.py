@@ -76,3 +76,26 @@ async def test_a_fixed_limit_ignores_vllms_queue_and_queued_requests_get_the_pla
             pass
     await asyncio.gather(first, second)
     assert order == ["first", "second"] and traffic.max_in_flight == 1 and traffic.running == 0
+
+
+async def test_a_queued_request_cancelled_while_it_waits_neither_keeps_nor_loses_a_place():
+    traffic = LiveTraffic(1, 1, AutoLimit(low=1, high=10, fresh_s=60))
+    release = asyncio.Event()
+
+    async def request() -> None:
+        async with traffic.slot():
+            await release.wait()
+
+    holder = asyncio.create_task(request())
+    await asyncio.sleep(0.01)
+    gone = asyncio.create_task(request())  # queued behind the holder
+    await asyncio.sleep(0.01)
+    gone.cancel()  # its wait is cancelled; the task itself has not run again yet
+    traffic.engine_queue(0)
+    async with traffic.slot():  # the limit grows at once: the freed place must not go to the cancelled one
+        assert traffic.running == 2
+    release.set()
+    await holder
+    with contextlib.suppress(asyncio.CancelledError):
+        await gone
+    assert traffic.running == traffic.present == 0 and not traffic._waiting
