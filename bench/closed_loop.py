@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 
 from app.vllm.client import LLMClient
-from app.vllm.wire import Completion, read_event
+from app.vllm.wire import Completion, events, read_event, wire
 from bench.modes import NAIVE_SYSTEM
 
 MAX_RETRIES = 30  # a question refused this often is counted as refused
@@ -55,10 +55,8 @@ async def closed_loop(concurrency: int, items: Sequence[Any], one: Callable[[Any
 async def stream_times(response: httpx.Response, started: float, completion: bool = False) -> float:
     """Read an OpenAI-style event stream to its end; the time its first answer text arrived (or its end)."""
     first, result = 0.0, Completion()
-    async for line in response.aiter_lines():
-        if not line.startswith("data:") or (data := line[5:].strip()) == "[DONE]":
-            continue
-        if any(read_event(json.loads(data), result, completion)):
+    async for event in events(response):
+        if any(read_event(event, result, completion)):
             first = first or time.perf_counter() - started
     return first
 
@@ -131,8 +129,8 @@ class Arms:
                     {"role": "user", "content": question}]
         request = self.llm.chat_request(messages, max_tokens=max_tokens, temperature=0.0, prefix_key="naive",
                                         stream=streamed)
-        body = {k: v for k, v in request.items() if k not in ("extra_headers", "extra_body")}
-        return await self._send("/v1/chat/completions", body, request["extra_headers"], started)
+        body, headers = wire(request)
+        return await self._send("/v1/chat/completions", body, headers, started)
 
     async def replay(self, captured: dict, streamed: bool) -> Sample:
         """One request exactly as the app sent it (its path, headers and body), streamed or not as the arm is."""

@@ -19,6 +19,7 @@ from app.vllm.wire import (
     Completion,
     Delta,
     Replica,
+    events,
     read_event,
     replicas_of,
     special_tokens_of,
@@ -112,13 +113,8 @@ class LLMClient:
                 if response.status_code != 200:
                     await response.aread()
                     raise status_error(response)
-                async for line in response.aiter_lines():
-                    if not line.startswith("data:"):
-                        continue
-                    data = line[5:].strip()
-                    if data == "[DONE]":
-                        return
-                    for text in read_event(json.loads(data), result, completion=prompt_ids is not None):
+                async for event in events(response):
+                    for text in read_event(event, result, completion=prompt_ids is not None):
                         yield Delta(text)
 
     async def complete(self, request: dict[str, Any]) -> Any:

@@ -4,7 +4,8 @@ named errors, and what vLLM says it serves (``UpstreamInfo``, its replicas behin
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import json
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -66,6 +67,17 @@ def wire(request: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
     merged in) and its headers."""
     body = {key: value for key, value in request.items() if key not in ("extra_headers", "extra_body")}
     return body | request.get("extra_body", {}), dict(request.get("extra_headers", {}))
+
+
+async def events(response: httpx.Response) -> AsyncIterator[dict[str, Any]]:
+    """The JSON events of an OpenAI-style server-sent stream, as they arrive, up to its ``[DONE]``."""
+    async for line in response.aiter_lines():
+        if not line.startswith("data:"):
+            continue
+        data = line[5:].strip()
+        if data == "[DONE]":
+            return
+        yield json.loads(data)
 
 
 def read_event(event: dict[str, Any], result: Completion, completion: bool) -> Iterator[str]:
