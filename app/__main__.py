@@ -25,6 +25,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                             "RAG_COLLECTION, RAG_API_KEY).")
     parser.add_argument("--host", help="bind address (RAG_SERVICE__HOST, default 127.0.0.1)")
     parser.add_argument("--port", type=int, help="port (RAG_SERVICE__PORT, default 8080)")
+    parser.add_argument("--workers", type=int, metavar="N",
+                        help="processes that rank questions beside the serving one: encoder, Chroma query, BM25 "
+                             "(RAG_RETRIEVAL__WORKERS, default 0: rank in the serving process)")
     parser.add_argument("--reload", action="store_true", help="restart on code changes (development)")
     return parser.parse_args(argv)
 
@@ -34,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     from app.serve.observability import configure_logging
 
     args = parse_args(argv)
-    flags = {"service.host": args.host, "service.port": args.port}
+    flags = {"service.host": args.host, "service.port": args.port, "retrieval.workers": args.workers}
     try:
         settings = overridden(Settings(), flags)
     except ValidationError as exc:

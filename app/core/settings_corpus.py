@@ -48,6 +48,9 @@ class RetrievalSettings(BaseModel):
     rrf_k: int = Field(60, ge=1, description="hybrid: reciprocal-rank-fusion constant (score = sum 1/(rrf_k+rank)).")
     threads: int = Field(0, ge=0, description="Worker threads of the service for question embeddings and store "
                          "reads (0: one per CPU core, at most 8).")
+    workers: int = Field(
+        0, ge=0, le=64, description="Processes that rank questions (encoder, Chroma query, BM25) beside the serving "
+        "process, each with its own encoder and indexes (0: rank in the serving process). More use more cores.")
 
 
 class PageSettings(BaseModel):

@@ -32,8 +32,10 @@ BACKGROUND: contextvars.ContextVar[Callable[[], Awaitable[object]] | None] = con
 
 class CollectionIndex:
     def __init__(self, embedder: Embedder, chroma: ChromaSettings, executor: ThreadPoolExecutor,
-                 retrieval: RetrievalSettings | None = None, paging: PageSettings | None = None) -> None:
-        self.embedder, self.chroma, self.executor = embedder, chroma, executor
+                 retrieval: RetrievalSettings | None = None, paging: PageSettings | None = None,
+                 ranks: bool = True) -> None:
+        """``ranks``: questions are ranked over this index (False: worker processes rank, with their own BM25)."""
+        self.embedder, self.chroma, self.executor, self.ranks = embedder, chroma, executor, ranks
         self.retrieval, self.paging = retrieval or RetrievalSettings(), paging or PageSettings()
         # Background reads (pre-warm scanning the collection) queue here, not ahead of a user's retrieval.
         self.background_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="background-read")
@@ -100,8 +102,9 @@ class CollectionIndex:
         return found
 
     def indexes_in_use(self) -> tuple[str, ...]:
-        """The derived indexes answers need: pages always (units), BM25 unless retrieval is dense alone."""
-        return ("pages",) if self.retrieval.mode == "dense" else ("lexical", "pages")
+        """The derived indexes answers need here: pages always (units), BM25 where questions are ranked here,
+        unless retrieval is dense alone."""
+        return ("pages",) if self.retrieval.mode == "dense" or not self.ranks else ("lexical", "pages")
 
     def indexes_loaded(self) -> bool:
         """Are the derived indexes answers need loaded (False while a start or a reload still loads them)?"""

@@ -15,15 +15,15 @@ class AsyncLRU(Generic[V]):
         self._items: OrderedDict[Hashable, V] = OrderedDict()
         self._epoch = 0
 
-    async def get(self, key: Hashable, load: Callable[[], Awaitable[V]], keep: Callable[[], bool] | None = None) -> V:
-        """The value kept for ``key``, else ``load()``'s, kept unless ``keep()`` says no once it is loaded."""
+    async def get(self, key: Hashable, load: Callable[[], Awaitable[V]], keep: Callable[[V], bool] | None = None) -> V:
+        """The value kept for ``key``, else ``load()``'s, kept unless ``keep(value)`` says no."""
         if key in self._items:
             self._items.move_to_end(key)
             return self._items[key]
         epoch = self._epoch
         value = await load()
         # Not kept when cleared while loading (the value may predate the change) or when ``keep`` says no.
-        if epoch != self._epoch or (keep is not None and not keep()):
+        if epoch != self._epoch or (keep is not None and not keep(value)):
             return value
         self._items[key] = value
         if len(self._items) > self.size:

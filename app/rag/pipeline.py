@@ -22,8 +22,8 @@ from app.rag.index import CollectionIndex
 from app.rag.lru import AsyncLRU
 from app.rag.planner import ContextPlanner
 from app.rag.requests import ChatQuery, Conversation, Query, RequestRules
-from app.rag.retriever import Retriever
-from app.rag.seams import LLM
+from app.rag.retriever import Ranking
+from app.rag.seams import LLM, Ranker
 from app.vllm.prompt_ids import PromptIds
 from app.vllm.wire import Completion, Delta, UpstreamInfo
 
@@ -93,13 +93,13 @@ class Answer:
 
 class Pipeline:
     def __init__(self, limits: RequestLimits, sampling: SamplingSettings, index: CollectionIndex,
-                 retriever: Retriever, llm: LLM, builder: PromptBuilder, planner: ContextPlanner,
+                 ranker: Ranker, llm: LLM, builder: PromptBuilder, planner: ContextPlanner,
                  estimator: TokenEstimator, metrics: ServiceMetrics, prompt_ids: PromptIds | None = None) -> None:
-        self.limits, self.sampling, self.index, self.retriever, self.llm = limits, sampling, index, retriever, llm
+        self.limits, self.sampling, self.index, self.ranker, self.llm = limits, sampling, index, ranker, llm
         self.builder, self.planner, self.estimator = builder, planner, estimator
         self.metrics, self.prompt_ids = metrics, prompt_ids
         self.rules = RequestRules(limits)
-        self._retrievals: AsyncLRU[list[ContextChunk]] = AsyncLRU(RETRIEVAL_CACHE_SIZE)
+        self._retrievals: AsyncLRU[Ranking] = AsyncLRU(RETRIEVAL_CACHE_SIZE)
         self._first_contexts: AsyncLRU[list[ContextChunk]] = AsyncLRU(RETRIEVAL_CACHE_SIZE)
 
     def ask(self, query: Query, info: Callable[[], UpstreamInfo]) -> AsyncIterator[Delta | Answer]:
@@ -152,14 +152,15 @@ class Pipeline:
         # Arranged while a reload still loads the pages (documents unpaged): used once, not remembered.
         return await self._first_contexts.get(key, lambda: self.planner.arrange(
             ranked, budget, stable=forgotten, scoped=talk.source_prefix is not None),
-            keep=self.index.indexes_loaded)
+            keep=lambda _: self.index.indexes_loaded())
 
     async def _retrieve_cached(self, question: str, top_k: int, source_prefix: str | None) -> list[ContextChunk]:
         # Earlier turns are re-retrieved on every request; an LRU keeps that to one Chroma query per new turn.
         # A ranking made while a reload still loads BM25 (dense alone) is used once, not remembered.
-        return await self._retrievals.get((question, top_k, source_prefix),
-                                          lambda: self.retriever.retrieve(question, top_k, source_prefix),
-                                          keep=self.index.indexes_loaded)
+        ranking = await self._retrievals.get((question, top_k, source_prefix),
+                                             lambda: self.ranker.rank(question, top_k, source_prefix),
+                                             keep=lambda found: found.complete)
+        return ranking.chunks
 
     async def _generate(self, prompt: Prompt, talk: Conversation, clock: Clock) -> AsyncIterator[Delta | Answer]:
         sampling, defaults = talk.sampling, self.sampling

@@ -5,7 +5,7 @@ threads, never on the event loop."""
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from app.core.settings import ChromaSettings, PageSettings, RetrievalSettings
@@ -13,6 +13,15 @@ from app.rag.context import ContextChunk
 from app.rag.index import CollectionIndex, chroma_errors, to_chunk
 from app.rag.seams import Embedder
 from app.rag.vectors import QuestionVectors
+
+
+@dataclass(frozen=True)
+class Ranking:
+    """A question's top chunks; ``complete`` is False when hybrid answered by the dense ranking alone because
+    BM25 was still loading (after a start or a reload): such a ranking is used once, not remembered."""
+
+    chunks: list[ContextChunk]
+    complete: bool = True
 
 
 class Retriever:
@@ -31,30 +40,42 @@ class Retriever:
 
     async def retrieve(self, question: str, k: int, source_prefix: str | None = None,
                        mode: str | None = None) -> list[ContextChunk]:
+        return (await self.rank(question, k, source_prefix, mode)).chunks
+
+    async def rank(self, question: str, k: int, source_prefix: str | None = None,
+                   mode: str | None = None) -> Ranking:
         vector = await self.vectors.embed(question) if (mode or self.retrieval.mode) != "lexical" else None
-        return await self.index.run(self.retrieve_sync, question, k, source_prefix, mode, vector)
+        return await self.index.run(self.rank_sync, question, k, source_prefix, mode, vector)
+
+    async def prime(self) -> None:
+        """Load the vector index and run the encoder once (the first question would pay for both)."""
+        await self.rank("prime the index", 1)
 
     def retrieve_sync(self, question: str, k: int, source_prefix: str | None = None,
-                      mode: str | None = None, vector: list[float] | None = None) -> list[ContextChunk]:
+                      mode: str | None = None) -> list[ContextChunk]:
+        return self.rank_sync(question, k, source_prefix, mode).chunks
+
+    def rank_sync(self, question: str, k: int, source_prefix: str | None = None,
+                  mode: str | None = None, vector: list[float] | None = None) -> Ranking:
         """The top ``k`` chunks by ``mode`` (default: the configured one); ``vector``: the question's embedding,
         if already encoded. While the BM25 index is still being built (after a start or a reload), hybrid
         answers with the dense ranking alone rather than wait."""
         mode = mode or self.retrieval.mode
         where = self._where(source_prefix)
         if where == {"source": {"$in": []}}:
-            return []  # the filter matches no source at all
+            return Ranking([])  # the filter matches no source at all
         lexical = self.index.lexical_index(wait=mode == "lexical") if mode != "dense" else None
         if lexical is None:
-            return self._dense(question, k, where, vector)
+            return Ranking(self._dense(question, k, where, vector), complete=mode == "dense")
         depth = max(k, self.retrieval.candidates)
         sources = set(where["source"]["$in"]) if where else None
         found = lexical.search(question, depth if mode == "hybrid" else k, sources)
         if mode == "lexical":
-            return self.index.chunks([i for i, _ in found], [score for _, score in found])
+            return Ranking(self.index.chunks([i for i, _ in found], [score for _, score in found]))
         dense = self._query(question, depth, where, [], vector)  # ids only: texts are read for the fused k alone
         fused = reciprocal_rank_fusion([dense["ids"][0], [i for i, _ in found]], self.retrieval.rrf_k)[:k]
         kept = self.index.chunks([i for i, _ in fused], [score for _, score in fused])  # deleted since: gone
-        return [replace(chunk, rank=rank) for rank, chunk in enumerate(kept)]
+        return Ranking([replace(chunk, rank=rank) for rank, chunk in enumerate(kept)])
 
     def _query(self, question: str, k: int, where: dict[str, Any] | None, include: list[str],
                vector: list[float] | None = None) -> dict[str, Any]:

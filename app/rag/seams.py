@@ -1,16 +1,28 @@
 """What the request pipeline needs of the parts it does not own: the vLLM client (the real one is
-``app.vllm.client.LLMClient``; the fast test tier's fake subclasses it) and the question encoder (the kernel's
-``Embedder`` protocol)."""
+``app.vllm.client.LLMClient``; the fast test tier's fake subclasses it), the question encoder (the kernel's
+``Embedder`` protocol) and the ranker (``app.rag.retriever.Retriever`` in this process, or
+``app.runtime.retrieval_pool.RetrievalPool`` in worker processes)."""
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from app.core.seams import Embedder
 from app.vllm.wire import Completion, Delta
 
-__all__ = ["LLM", "Embedder"]
+if TYPE_CHECKING:
+    from app.rag.retriever import Ranking
+
+__all__ = ["LLM", "Embedder", "Ranker"]
+
+
+class Ranker(Protocol):
+    async def rank(self, question: str, k: int, source_prefix: str | None = None) -> Ranking:
+        """The question's top ``k`` chunks (of sources starting with ``source_prefix``)."""
+
+    async def prime(self) -> None:
+        """Load what the first question would otherwise pay for (encoder, vector and BM25 indexes)."""
 
 
 class LLM(Protocol):

@@ -10,15 +10,15 @@ from collections.abc import Awaitable, Callable
 
 from app.core.errors import ServiceError
 from app.rag.index import CollectionIndex
-from app.rag.retriever import Retriever
+from app.rag.seams import Ranker
 
 log = logging.getLogger("prefixrag.collection")
 _UNSEEN = object()
 
 
 class CollectionWatcher:
-    def __init__(self, index: CollectionIndex, retriever: Retriever) -> None:
-        self.index, self.retriever = index, retriever
+    def __init__(self, index: CollectionIndex, ranker: Ranker) -> None:
+        self.index, self.ranker = index, ranker
         self.problem: str | None = "collection not checked yet"  # why it cannot answer now (None: it can)
         self._subscribers: list[Callable[[bool], Awaitable[None]]] = []
 
@@ -66,5 +66,5 @@ class CollectionWatcher:
         and answers meanwhile."""
         if self.problem is not None:
             self.problem = "loading the search indexes"
-        await self.retriever.retrieve("prime the index", 1)
+        await self.ranker.prime()
         await self.index.indexes_ready(self.index.indexes_in_use())

@@ -18,9 +18,10 @@ from app.rag.pipeline import Pipeline
 from app.rag.planner import ContextPlanner
 from app.rag.prompts import PromptTemplates
 from app.rag.retriever import Retriever
-from app.rag.seams import Embedder
+from app.rag.seams import Embedder, Ranker
 from app.runtime.capacity import EngineQueue
 from app.runtime.collection import CollectionWatcher
+from app.runtime.retrieval_pool import RetrievalPool, WorkerConfig
 from app.runtime.service import Service
 from app.runtime.traffic import AutoLimit, LiveTraffic
 from app.runtime.upstream import Upstream
@@ -39,7 +40,8 @@ class Clients:
     llm: LLMClient
     upstream: Upstream
     index: CollectionIndex
-    retriever: Retriever
+    retriever: Retriever  # in this process (benchmarks' naive RAG; requests, unless workers rank them)
+    ranker: Ranker  # what ranks the requests' questions: ``retriever``, or a pool of worker processes
     templates: PromptTemplates
     prompt_ids: PromptIds  # prompts whose head was seen before go to vLLM as token ids
 
@@ -90,6 +92,8 @@ class Services:
         self.planner.close()
         clients.prompt_ids.close()
         clients.index.close()
+        if isinstance(clients.ranker, RetrievalPool):
+            await asyncio.to_thread(clients.ranker.close)
         await clients.llm.aclose()
         clients.executor.shutdown(wait=False, cancel_futures=True)
 
@@ -97,8 +101,9 @@ class Services:
 async def build_services(settings: Settings, *, embedder: Embedder | None = None,
                          metrics: ServiceMetrics | None = None, llm: LLMClient | None = None) -> Services:
     """Templates first (a broken one fails fast), then the retrieve threads, the encoder (loaded now, not by the
-    first question; or ``embedder``, shared by tests and benchmarks), the vLLM client (or ``llm``: the one seam
-    where the fast test tier puts its fake vLLM) and monitor, the index and retriever; then the pipeline."""
+    first question, unless worker processes rank; or ``embedder``, shared by tests and benchmarks), the vLLM
+    client (or ``llm``: the one seam where the fast test tier puts its fake vLLM) and monitor, the index and
+    ranker; then the pipeline."""
     from app.core.embedder import Embedder as Encoder
     from app.core.embedder import limit_threads
 
@@ -107,16 +112,24 @@ async def build_services(settings: Settings, *, embedder: Embedder | None = None
     threads = settings.retrieval.threads or min(8, os.cpu_count() or 2)
     executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="retrieve", initializer=limit_threads,
                                   initargs=(settings.embedding.query_threads,))
-    encoder = embedder if embedder is not None else await asyncio.get_running_loop().run_in_executor(
-        executor, lambda: Encoder(settings.embedding).load())
+    workers = settings.retrieval.workers
+    encoder = embedder
+    if encoder is None:  # loaded here only where questions are ranked here (else on first use, if ever)
+        own = Encoder(settings.embedding)
+        encoder = own if workers else await asyncio.get_running_loop().run_in_executor(executor, own.load)
     llm = llm or LLMClient(settings.vllm)
-    index = CollectionIndex(encoder, settings.chroma, executor, settings.retrieval, settings.pages)
+    index = CollectionIndex(encoder, settings.chroma, executor, settings.retrieval, settings.pages,
+                            ranks=not workers)
     upstream = Upstream(llm, settings.vllm)
     upstream.subscribe(lambda info: llm.use_model(info.model))
     prompt_ids = PromptIds(settings.vllm, llm)
     upstream.subscribe(prompt_ids.adopt)
     retriever = Retriever(index, encoder, settings.retrieval, encoders=max(1, threads // 2))
-    clients = Clients(settings, executor, encoder, llm, upstream, index, retriever, templates, prompt_ids)
+    ranker: Ranker = retriever
+    if workers:
+        ranker = RetrievalPool(WorkerConfig(settings.chroma, settings.embedding, settings.retrieval,
+                                            settings.pages), workers)
+    clients = Clients(settings, executor, encoder, llm, upstream, index, retriever, ranker, templates, prompt_ids)
     return assemble(clients, settings, metrics or ServiceMetrics())
 
 
@@ -129,11 +142,13 @@ def assemble(clients: Clients, settings: Settings, metrics: ServiceMetrics) -> S
     planner = ContextPlanner(settings.context, settings.limits.max_tokens, clients.index, builder, clients.llm,
                              clients.settings.chroma.collection, estimator)
     traffic = admission(settings.traffic)
-    pipeline = Pipeline(settings.limits, settings.sampling, clients.index, clients.retriever, clients.llm, builder,
+    pipeline = Pipeline(settings.limits, settings.sampling, clients.index, clients.ranker, clients.llm, builder,
                         planner, estimator, metrics, clients.prompt_ids)
     warmer = Warmer(settings.warmup, planner, clients.llm, estimator, clients.upstream, traffic)
     queue = EngineQueue(traffic, clients.upstream, settings.traffic.load_interval_s) if traffic.auto else None
-    watcher = CollectionWatcher(clients.index, clients.retriever)
+    watcher = CollectionWatcher(clients.index, clients.ranker)
+    if isinstance(clients.ranker, RetrievalPool):
+        watcher.subscribe(clients.ranker.collection_changed)
     service = Service(pipeline, planner, traffic, clients.upstream, warmer, watcher, metrics)
     return Services(clients, metrics, builder, estimator, planner, traffic, pipeline, warmer, watcher, service, queue)
 
