@@ -170,7 +170,8 @@ class TrafficSettings(BaseModel):
     max_in_flight: int | Literal["auto"] = Field(
         "auto", description="User requests in the pipeline (retrieval + vLLM) at once, per app process; beyond it "
         "(and max_queued) a request gets 429 + Retry-After. 'auto': start at auto_min_in_flight and follow vLLM: "
-        "more while vLLM runs every request it is sent, back to what it runs once it queues requests.")
+        "more while vLLM runs every request it is sent (as many as its free KV cache holds), back to what it runs "
+        "once it queues requests; beyond it, a request waits up to two load intervals for room before a 429.")
     auto_min_in_flight: int = Field(8, ge=1, description="With max_in_flight=auto: the limit it starts at and "
                                     "never goes below.")
     auto_max_in_flight: int = Field(1024, ge=1, description="With max_in_flight=auto: the limit never goes above.")

@@ -1,7 +1,8 @@
 """``max_in_flight=auto``: admission follows what vLLM can serve. While user requests are present, vLLM's own
-queue (``vllm:num_requests_waiting``, summed over the servers behind the URL) is read every ``load_interval_s``
-and handed to admission (``LiveTraffic.engine_queue``): an empty queue lets the limit grow, requests waiting in
-vLLM bring it down to what vLLM runs. Idle, nothing is read."""
+queue (``vllm:num_requests_waiting``, summed over the servers behind the URL) and its KV cache in use (the
+fullest server's ``vllm:kv_cache_usage_perc``) are read every ``load_interval_s`` and handed to admission
+(``LiveTraffic.engine_queue``): an empty queue lets the limit grow as far as the free cache holds, requests
+waiting in vLLM bring it down to what vLLM runs. Idle, nothing is read."""
 
 from __future__ import annotations
 
@@ -11,10 +12,11 @@ import logging
 from app.core.errors import ServiceError
 from app.runtime.traffic import LiveTraffic
 from app.runtime.upstream import Upstream
-from app.vllm.prometheus import metric_total
+from app.vllm.prometheus import metric_max, metric_total
 
 log = logging.getLogger("prefixrag.capacity")
 WAITING = "vllm:num_requests_waiting"
+KV_USAGE = "vllm:kv_cache_usage_perc"
 
 
 class EngineQueue:
@@ -30,7 +32,9 @@ class EngineQueue:
                 log.debug("vLLM's queue not read: %s", exc.message)
             else:
                 before = self.traffic.max_in_flight
-                self.traffic.engine_queue(sum(metric_total(text, WAITING) for text in texts.values()))
+                usage = [found for text in texts.values() if (found := metric_max(text, KV_USAGE)) is not None]
+                self.traffic.engine_queue(sum(metric_total(text, WAITING) for text in texts.values()),
+                                          max(usage, default=None))
                 if self.traffic.max_in_flight < before:
                     log.info("vLLM queues requests: admission limit %d -> %d", before, self.traffic.max_in_flight)
             await asyncio.sleep(self.interval_s)

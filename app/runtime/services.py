@@ -157,5 +157,6 @@ def admission(limits: TrafficSettings) -> LiveTraffic:
     """The configured admission: a fixed limit, or ``auto`` (from its floor, following vLLM's queue)."""
     if limits.max_in_flight != "auto":
         return LiveTraffic(limits.max_in_flight, limits.max_queued)
-    auto = AutoLimit(limits.auto_min_in_flight, limits.auto_max_in_flight, fresh_s=4 * limits.load_interval_s)
+    auto = AutoLimit(limits.auto_min_in_flight, limits.auto_max_in_flight, fresh_s=4 * limits.load_interval_s,
+                     wait_s=2 * limits.load_interval_s)
     return LiveTraffic(auto.low, limits.max_queued, auto)

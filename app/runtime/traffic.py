@@ -39,12 +39,15 @@ class TrafficStatus:
 
 @dataclass(frozen=True)
 class AutoLimit:
-    """``max_in_flight=auto``: the limit starts at ``low``, grows while vLLM runs every request it is sent (at
-    most doubling between two readings of its queue) and shrinks to what vLLM runs once it queues."""
+    """``max_in_flight=auto``: the limit starts at ``low``, grows while vLLM runs every request it is sent (between
+    two readings of its queue, by as many requests as the KV cache vLLM has free would hold, judged by what ours
+    use now; at least doubling) and shrinks to what vLLM runs once it queues. Beyond the limit, while vLLM's last
+    reading showed no queue, a request waits for the next reading (at most ``wait_s``) rather than be refused."""
 
     low: int
     high: int
     fresh_s: float  # a reading of vLLM's queue older than this says nothing about room now
+    wait_s: float = 0.0  # how long a request beyond the limit may wait for a reading that shows room
 
 
 class LiveTraffic:
@@ -60,6 +63,8 @@ class LiveTraffic:
         self._idle.set()
         self._room_until = 0.0  # vLLM queued nothing at its last reading, which counts until then
         self._growth = 0  # places the limit may still grow by before vLLM's queue is read again
+        self._queueing = False  # vLLM's last reading showed requests waiting in its queue
+        self._changed = asyncio.Event()  # set (and replaced) at each reading of vLLM's queue and each freed place
 
     @property
     def busy(self) -> asyncio.Event:
@@ -74,21 +79,32 @@ class LiveTraffic:
         return TrafficStatus(self.present, self.max_in_flight, self.max_queued, self.refused, self.yields,
                              self.auto is not None)
 
-    def engine_queue(self, waiting: float) -> None:
-        """vLLM's own queue, read now (``max_in_flight=auto``): none waiting lets the limit grow (by at most its
-        size until the next reading); requests waiting there bring it down to those vLLM runs of ours."""
+    def engine_queue(self, waiting: float, kv_usage: float | None = None) -> None:
+        """vLLM's own queue, read now (``max_in_flight=auto``), and the fraction of its KV cache in use: none
+        waiting lets the limit grow until the next reading (``_room``); requests waiting there bring it down to
+        those vLLM runs of ours."""
         if self.auto is None:
             return
-        if waiting > 0:
+        self._queueing = waiting > 0
+        if self._queueing:
             self._room_until, self._growth = 0.0, 0
             self._set_limit(max(self.auto.low, min(self.max_in_flight, self.running - int(waiting))))
         else:
-            self._room_until, self._growth = time.monotonic() + self.auto.fresh_s, self.max_in_flight
+            self._room_until, self._growth = time.monotonic() + self.auto.fresh_s, self._room(kv_usage)
+        self._signal()
+
+    def _room(self, kv_usage: float | None) -> int:
+        """Requests the limit may grow by: as many as vLLM's free KV cache holds, at what ours in flight use now
+        (the cache is read, not guessed: shared prefixes cost nothing more); at least the limit itself."""
+        if not kv_usage or self.running == 0:
+            return self.max_in_flight
+        return max(self.max_in_flight, int(self.running * (1.0 - kv_usage) / kv_usage))
 
     @contextlib.asynccontextmanager
     async def slot(self) -> AsyncIterator[None]:
-        """Hold one user slot for the body's duration; raise ``Overloaded`` at once when none is left."""
-        if self.present >= self.max_in_flight + self.max_queued and not self._grow():
+        """Hold one user slot for the body's duration; raise ``Overloaded`` when none is left (at once, or with
+        ``auto`` once a reading of vLLM's queue shows no room)."""
+        if not await self._admissible():
             self.refused += 1
             raise Overloaded(f"the service is at capacity ({self.max_in_flight} requests in flight, "
                              f"{self.max_queued} queued); retry later", retry_after_s=self.retry_after_s())
@@ -103,6 +119,23 @@ class LiveTraffic:
                 self._free_place()
         finally:
             self._leave()
+
+    async def _admissible(self) -> bool:
+        """Is there a place (or a queue place) now? With ``auto``, while vLLM queued nothing at its last reading,
+        wait for the next reading or a freed place, at most ``wait_s``: a burst after a quiet spell finds the
+        reading stale, and refusing it would send clients away for a whole second of Retry-After."""
+        deadline = time.monotonic() + (self.auto.wait_s if self.auto is not None else 0.0)
+        while self.present >= self.max_in_flight + self.max_queued and not self._grow():
+            left = deadline - time.monotonic()
+            if self._queueing or left <= 0:
+                return False
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), left)
+        return True
+
+    def _signal(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
 
     def _grow(self) -> bool:
         """With ``auto``: one more place, while vLLM's last reading showed room and this reading's growth lasts."""
@@ -142,6 +175,7 @@ class LiveTraffic:
     def _free_place(self) -> None:
         self.running -= 1
         self._set_limit(self.max_in_flight)  # hands the place to the next waiting request
+        self._signal()
 
     def retry_after_s(self) -> int:
         """Seconds until a place is likely free: the queue ahead, drained ``max_in_flight`` at a time."""

@@ -29,3 +29,8 @@ def parse_metric_labels(metrics_text: str, name: str) -> dict[str, str] | None:
 def metric_total(metrics_text: str, name: str) -> float:
     """Sum of all samples of a counter (all engines/models)."""
     return sum(sample.value for sample in _samples(metrics_text, name))
+
+
+def metric_max(metrics_text: str, name: str) -> float | None:
+    """The largest sample of a gauge (the fullest engine's ``vllm:kv_cache_usage_perc``); None if absent."""
+    return max((sample.value for sample in _samples(metrics_text, name)), default=None)

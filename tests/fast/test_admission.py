@@ -1,5 +1,6 @@
-"""Admission with ``max_in_flight=auto``: the limit grows only while vLLM's last reading showed no queue (at most
-doubling per reading), comes down to what vLLM runs once it queues, and a request refused is refused at once."""
+"""Admission with ``max_in_flight=auto``: the limit grows only while vLLM's last reading showed no queue (by the
+free KV cache's worth of requests like ours, at least doubling), comes down to what vLLM runs once it queues; a
+request beyond it waits for the next reading (bounded) unless vLLM queues, then it is refused at once."""
 
 from __future__ import annotations
 
@@ -99,3 +100,48 @@ async def test_a_queued_request_cancelled_while_it_waits_neither_keeps_nor_loses
     with contextlib.suppress(asyncio.CancelledError):
         await gone
     assert traffic.running == traffic.present == 0 and not traffic._waiting
+
+
+async def test_a_burst_beyond_the_limit_waits_for_the_next_reading_instead_of_being_refused():
+    traffic = LiveTraffic(2, 0, AutoLimit(low=2, high=100, fresh_s=60, wait_s=5))
+    async with contextlib.AsyncExitStack() as stack:
+        await hold(traffic, 2, stack)
+        burst = [asyncio.create_task(hold(traffic, 1, stack)) for _ in range(3)]
+        await asyncio.sleep(0.05)
+        assert not any(task.done() for task in burst)  # waiting for vLLM's queue to be read, not refused
+        traffic.engine_queue(0, kv_usage=0.2)  # two of ours use a fifth of the cache: room for eight more
+        await asyncio.gather(*burst)
+        assert traffic.running == 5 and traffic.refused == 0
+        await hold(traffic, 5, stack)  # still within what the reading allowed
+        assert traffic.max_in_flight == 10
+
+
+async def test_while_vllm_queues_a_request_beyond_the_limit_is_refused_at_once():
+    traffic = LiveTraffic(2, 0, AutoLimit(low=2, high=100, fresh_s=60, wait_s=30))
+    async with contextlib.AsyncExitStack() as stack:
+        await hold(traffic, 2, stack)
+        traffic.engine_queue(1)
+        with pytest.raises(Overloaded):
+            await asyncio.wait_for(stack.enter_async_context(traffic.slot()), 1)
+
+
+async def test_the_wait_for_a_reading_is_bounded_and_a_freed_place_ends_it():
+    traffic = LiveTraffic(1, 0, AutoLimit(low=1, high=100, fresh_s=60, wait_s=0.1))
+    async with contextlib.AsyncExitStack() as stack:
+        await hold(traffic, 1, stack)
+        with pytest.raises(Overloaded):  # no reading came
+            await stack.enter_async_context(traffic.slot())
+    traffic = LiveTraffic(1, 0, AutoLimit(low=1, high=100, fresh_s=60, wait_s=30))
+    release = asyncio.Event()
+
+    async def holder() -> None:
+        async with traffic.slot():
+            await release.wait()
+
+    first = asyncio.create_task(holder())
+    await asyncio.sleep(0.01)
+    second = asyncio.create_task(holder())
+    await asyncio.sleep(0.01)
+    release.set()  # the first leaves: the second takes its place without any reading
+    await asyncio.wait_for(asyncio.gather(first, second), 1)
+    assert traffic.refused == 0 and traffic.max_in_flight == 1
