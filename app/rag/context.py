@@ -7,6 +7,7 @@ the question, and vLLM's prefix cache serves that shared part.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -59,10 +60,14 @@ def canonical(chunks: list[ContextChunk]) -> list[ContextChunk]:
     return sorted(chunks, key=lambda chunk: chunk.canonical_key)
 
 
+RENDERED_UNITS = 4096  # units whose rendered text is kept: the same bytes for every request that shows them
+
+
 class PromptBuilder:
     def __init__(self, templates: PromptTemplates) -> None:
         self.templates = templates
         self.inert = Neutraliser()  # every untrusted text goes through it; it learns the served special tokens
+        self._units: OrderedDict[tuple[object, ...], str] = OrderedDict()
 
     @cached_property
     def system_prompt(self) -> str:
@@ -76,10 +81,19 @@ class PromptBuilder:
 
     def render_unit(self, unit: list[ContextChunk]) -> str:
         """A unit is one document in the prompt: one header, its chunks' text in natural order (headings are part
-        of that text), so a 40-paragraph article does not pay 40 headers."""
+        of that text), so a 40-paragraph article does not pay 40 headers. Rendered once per unit (its chunk ids
+        carry their content's hash) and served tokenizer, then reused by every prompt that shows it."""
+        key = (unit[0].cite_id, unit[0].title, self.inert.served, *(c.id for c in unit))
+        if (text := self._units.get(key)) is not None:
+            self._units.move_to_end(key)
+            return text
         attribute = self.inert.attribute
-        return self.templates.render("context", "unit", id=attribute(unit[0].cite_id), title=attribute(unit[0].title),
+        text = self.templates.render("context", "unit", id=attribute(unit[0].cite_id), title=attribute(unit[0].title),
                                      text=self.inert(unit_text(unit)))
+        self._units[key] = text
+        if len(self._units) > RENDERED_UNITS:
+            self._units.popitem(last=False)
+        return text
 
     def context_block(self, ordered: list[ContextChunk]) -> str:
         """Render chunks in the order given (callers pass canonical or strategy order, never relevance)."""

@@ -78,7 +78,8 @@ class Document(Canonical):
         if not scoped and self.units.page_of(ranked[0]) is not None:
             return await self._paged(ranked, hits, stable)
         key, chunks = await self.units.unit_for(ranked[0], paged=not scoped)
-        units, inside = {key: as_unit(chunks, ranked[0].rank, hits)}, {c.id for c in chunks}
+        units = {key: self.units.placements.place(key, chunks, ranked[0].rank, hits)}
+        inside = {c.id for c in chunks}
         room = estimate_tokens(ranked) - estimate_tokens(chunks)
         if room <= 0:
             held = sum(c.id in inside for c in ranked)
@@ -89,7 +90,7 @@ class Document(Canonical):
                 continue
             key, chunks = await self.units.unit_for(hit, paged=not scoped)
             if key not in units and len(units) != self.max_units and estimate_tokens(chunks) <= room:
-                units[key] = as_unit(chunks, hit.rank, hits)
+                units[key] = self.units.placements.place(key, chunks, hit.rank, hits)
                 inside |= {c.id for c in chunks}
                 room -= estimate_tokens(chunks)
             else:
@@ -108,7 +109,7 @@ class Document(Canonical):
         best = leading_page(held)
         key, chunks = await self.units.unit_for(held[best][0])
         inside = {c.id for c in chunks}
-        unit = as_unit(chunks, held[best][0].rank, hits)
+        unit = self.units.placements.place(key, chunks, held[best][0].rank, hits)
         outside = [c for c in ranked if c.id not in inside]  # best-ranked first
         return self._in_order({key: unit}, outside[:self.page_extras], stable)
 

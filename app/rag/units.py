@@ -9,6 +9,7 @@ import contextlib
 import json
 import logging
 import threading
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
@@ -36,13 +37,19 @@ class UnitIndex:
     def __init__(self, index: CollectionIndex, max_unit_tokens: int, cache_size: int = 1024) -> None:
         self.index, self.configured_max, self.max_unit_tokens = index, max_unit_tokens, max_unit_tokens
         self._parents: AsyncLRU[list[ContextChunk]] = AsyncLRU(cache_size)
+        self._tagged: AsyncLRU[tuple[str, list[ContextChunk]]] = AsyncLRU(cache_size)  # a hit's unit, tagged
+        self.placements = Placements(4 * cache_size)
 
     def limit_to(self, tokens: int) -> None:
         """Units no bigger than ``tokens`` (the served window's room) nor than configured."""
-        self.max_unit_tokens = min(self.configured_max, tokens)
+        if min(self.configured_max, tokens) != self.max_unit_tokens:
+            self.max_unit_tokens = min(self.configured_max, tokens)
+            self._tagged.clear()  # windows are cut anew
 
     def forget(self) -> None:
         self._parents.clear()
+        self._tagged.clear()
+        self.placements.clear()
 
     async def parent(self, parent_id: str) -> list[ContextChunk]:
         return await self._parents.get(parent_id, lambda: self._fetch(parent_id))
@@ -68,6 +75,9 @@ class UnitIndex:
         if paged and (page := self.page_of(hit)) is not None:
             # Cached beside the parents under a key no parent id has.
             return page, await self._parents.get(f"\0{page}", lambda: self._fetch_page(page))
+        return await self._tagged.get(hit.id, lambda: self._tag(hit))
+
+    async def _tag(self, hit: ContextChunk) -> tuple[str, list[ContextChunk]]:
         key, chunks = await self._locate(hit)
         return key, [replace(c, unit=key) for c in chunks]
 
@@ -127,6 +137,30 @@ def as_unit(chunks: list[ContextChunk], rank: int, hits: dict[str, ContextChunk]
     Everything rendered comes from the unit's own chunks, so the unit's bytes never depend on the question."""
     return [replace(c, rank=rank, score=hits[c.id].score, retrieved=True) if c.id in hits
             else replace(c, rank=rank, retrieved=False) for c in chunks]
+
+
+class Placements:
+    """``as_unit`` for units that recur across requests: a unit's chunks at a rank are made once, and a request
+    copies only its own hits (a page of 40 chunks cost 40 copies per request)."""
+
+    def __init__(self, size: int = 4096) -> None:
+        self.size = size
+        self._at_rank: OrderedDict[tuple[str, int], list[ContextChunk]] = OrderedDict()
+
+    def clear(self) -> None:
+        self._at_rank.clear()
+
+    def place(self, key: str, chunks: list[ContextChunk], rank: int,
+              hits: dict[str, ContextChunk]) -> list[ContextChunk]:
+        base = self._at_rank.get((key, rank))
+        if base is None or len(base) != len(chunks) or (chunks and base[0].id != chunks[0].id):
+            base = [replace(c, rank=rank, retrieved=False) for c in chunks]
+            self._at_rank[(key, rank)] = base
+            if len(self._at_rank) > self.size:
+                self._at_rank.popitem(last=False)
+        else:
+            self._at_rank.move_to_end((key, rank))
+        return [replace(c, score=hits[c.id].score, retrieved=True) if c.id in hits else c for c in base]
 
 
 class Hotness:
