@@ -25,9 +25,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                             "RAG_COLLECTION, RAG_API_KEY).")
     parser.add_argument("--host", help="bind address (RAG_SERVICE__HOST, default 127.0.0.1)")
     parser.add_argument("--port", type=int, help="port (RAG_SERVICE__PORT, default 8080)")
-    parser.add_argument("--workers", type=int, metavar="N",
+    parser.add_argument("--workers", metavar="N",
                         help="processes that rank questions beside the serving one: encoder, Chroma query, BM25 "
-                             "(RAG_RETRIEVAL__WORKERS, default 0: rank in the serving process)")
+                             "(RAG_RETRIEVAL__WORKERS; default auto: one per two cores, at most 8, on 8 cores or "
+                             "more; 0: rank in the serving process)")
     parser.add_argument("--reload", action="store_true", help="restart on code changes (development)")
     return parser.parse_args(argv)
 

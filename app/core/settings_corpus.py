@@ -3,6 +3,7 @@ Sections of the one ``Settings`` object (``app.core.settings``)."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Literal
 
@@ -48,9 +49,24 @@ class RetrievalSettings(BaseModel):
     rrf_k: int = Field(60, ge=1, description="hybrid: reciprocal-rank-fusion constant (score = sum 1/(rrf_k+rank)).")
     threads: int = Field(0, ge=0, description="Worker threads of the service for question embeddings and store "
                          "reads (0: one per CPU core, at most 8).")
-    workers: int = Field(
-        0, ge=0, le=64, description="Processes that rank questions (encoder, Chroma query, BM25) beside the serving "
-        "process, each with its own encoder and indexes (0: rank in the serving process). More use more cores.")
+    workers: int | Literal["auto"] = Field(
+        "auto", description="Processes that rank questions (encoder, Chroma query, BM25) beside the serving "
+        "process, each with its own encoder and indexes (0: rank in the serving process). 'auto': one per two CPU "
+        "cores, at most 8, where there are at least 8 cores (a GPU host); else 0.")
+
+    @field_validator("workers")
+    @classmethod
+    def _workers_in_range(cls, value: int | str) -> int | str:
+        if value != "auto" and not 0 <= int(value) <= 64:
+            raise ValueError("workers must be 'auto' or 0 to 64")
+        return value
+
+    def worker_processes(self) -> int:
+        """How many ranking processes run: ``workers``, with 'auto' decided by the cores this process may use."""
+        if self.workers != "auto":
+            return self.workers
+        cores = len(os.sched_getaffinity(0))
+        return min(8, cores // 2) if cores >= 8 else 0
 
 
 class PageSettings(BaseModel):

@@ -112,7 +112,7 @@ async def build_services(settings: Settings, *, embedder: Embedder | None = None
     threads = settings.retrieval.threads or min(8, os.cpu_count() or 2)
     executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="retrieve", initializer=limit_threads,
                                   initargs=(settings.embedding.query_threads,))
-    workers = settings.retrieval.workers
+    workers = settings.retrieval.worker_processes()
     encoder = embedder
     if encoder is None:  # loaded here only where questions are ranked here (else on first use, if ever)
         own = Encoder(settings.embedding)
