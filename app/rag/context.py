@@ -73,9 +73,14 @@ class PromptBuilder:
     def system_prompt(self) -> str:
         return self.templates.render("system", "text")
 
+    def cite(self, chunk: ContextChunk) -> str:
+        """The id the prompt shows for this chunk, byte for byte (neutralised): what an answer cites and the API
+        returns as its source's id."""
+        return self.inert.attribute(chunk.cite_id)
+
     def render_chunk(self, chunk: ContextChunk) -> str:
         attribute = self.inert.attribute
-        return self.templates.render("context", "document", id=attribute(chunk.cite_id),
+        return self.templates.render("context", "document", id=self.cite(chunk),
                                      title=attribute(chunk.title), headings=attribute(chunk.headings),
                                      text=self.inert(chunk.text))
 
@@ -88,7 +93,7 @@ class PromptBuilder:
             self._units.move_to_end(key)
             return text
         attribute = self.inert.attribute
-        text = self.templates.render("context", "unit", id=attribute(unit[0].cite_id), title=attribute(unit[0].title),
+        text = self.templates.render("context", "unit", id=self.cite(unit[0]), title=attribute(unit[0].title),
                                      text=self.inert(unit_text(unit)))
         self._units[key] = text
         if len(self._units) > RENDERED_UNITS:

@@ -8,7 +8,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from app.core.errors import BadRequest, ContextTooLong
@@ -89,6 +89,10 @@ class Answer:
     strategy: str
     timings_ms: StageTimes
     prompt: Prompt
+    cited: dict[str, str] = field(default_factory=dict)  # a source's chunk id -> the id the prompt showed it as
+
+    def cite_id(self, chunk: ContextChunk) -> str:
+        return self.cited.get(chunk.id, chunk.cite_id)
 
 
 class Pipeline:
@@ -185,8 +189,9 @@ class Pipeline:
         log.info("answered: strategy=%s prompt=%d cached=%d completion=%d finish=%s ttft_ms=%.0f total_ms=%.0f",
                  prompt.strategy, completion.prompt_tokens, completion.cached_tokens, completion.completion_tokens,
                  completion.finish_reason, times.ttft, times.total)
-        yield Answer(text=completion.text, sources=shown_hits(prompt.hits, prompt.context), completion=completion,
-                     strategy=prompt.strategy, timings_ms=times, prompt=prompt)
+        sources = shown_hits(prompt.hits, prompt.context)
+        yield Answer(text=completion.text, sources=sources, completion=completion, strategy=prompt.strategy,
+                     timings_ms=times, prompt=prompt, cited={c.id: self.builder.cite(c) for c in sources})
 
     async def _prompt_ids(self, prompt: Prompt, talk: Conversation) -> list[int] | None:
         """The prompt as token ids when its head was seen before (vLLM then need not tokenize it); the head

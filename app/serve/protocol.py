@@ -78,9 +78,10 @@ class Source(BaseModel):
     chunk_index: int
 
 
-def sources_of(chunks: list[ContextChunk]) -> list[Source]:
-    """The API form of the chunks an answer could cite (``app.rag.context.ContextChunk``)."""
-    return [Source(id=c.cite_id, chunk_id=c.id, document=c.doc_id, title=c.title, headings=c.headings,
+def sources_of(chunks: list[ContextChunk], cited: dict[str, str]) -> list[Source]:
+    """The API form of the chunks an answer could cite (``app.rag.context.ContextChunk``), each under the id the
+    prompt showed it as (``cited``: chunk id -> that id)."""
+    return [Source(id=cited.get(c.id, c.cite_id), chunk_id=c.id, document=c.doc_id, title=c.title, headings=c.headings,
                    page=c.page if c.page > 0 else None, snippet=c.snippet(), score=c.score,
                    chunk_index=c.chunk_index) for c in chunks]
 

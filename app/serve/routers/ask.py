@@ -49,7 +49,7 @@ async def ask(body: AskRequest, request: Request, service: ServiceDep, metrics: 
 def to_response(answer: Answer) -> AskResponse:
     return AskResponse(
         answer=answer.text,
-        sources=sources_of(answer.sources),
+        sources=sources_of(answer.sources, answer.cited),
         usage=AskUsage(prompt_tokens=answer.completion.prompt_tokens,
                        completion_tokens=answer.completion.completion_tokens,
                        cached_tokens=answer.completion.cached_tokens),

@@ -64,7 +64,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, servic
         return event_stream(_sse(events, ident, created, model, include_usage, append))
     answer = await unless_client_leaves(request, service.chat(chat))
     return ChatCompletion(id=ident, created=created, model=model, usage=usage_of(answer),
-                          sources=sources_of(answer.sources), choices=[ChatChoice(
+                          sources=sources_of(answer.sources, answer.cited), choices=[ChatChoice(
                               message=AssistantMessage(content=answer.text + (sources_text(answer) if append else "")),
                               finish_reason=answer.completion.finish_reason or "stop")])
 
@@ -91,7 +91,7 @@ def usage_of(answer: Answer) -> ChatUsage:
 def sources_text(answer: Answer) -> str:
     if not answer.sources:
         return ""
-    return "\n\nSources:\n" + "\n".join(f"- [{c.cite_id}] {c.title or c.doc_id}" for c in answer.sources)
+    return "\n\nSources:\n" + "\n".join(f"- [{answer.cite_id(c)}] {c.title or c.doc_id}" for c in answer.sources)
 
 
 async def _sse(events: AsyncIterator[Delta | Answer], ident: str, created: int, model: str, include_usage: bool,
@@ -109,7 +109,7 @@ async def _sse(events: AsyncIterator[Delta | Answer], ident: str, created: int, 
             if append_sources and event.sources:
                 yield chunk(choices=[ChunkChoice(delta=ChunkDelta(content=sources_text(event)))])
             yield chunk(choices=[ChunkChoice(delta=ChunkDelta(), finish_reason=event.completion.finish_reason
-                                             or "stop")], sources=sources_of(event.sources))
+                                             or "stop")], sources=sources_of(event.sources, event.cited))
             if include_usage:
                 yield chunk(choices=[], usage=usage_of(event))
     except ServiceError as exc:
