@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValidationError as exc:
         print(f"error: {invalid_setting(exc)}", file=sys.stderr)
         return 2
-    configure_logging()
+    configure_logging(repeats_s=settings.service.log_repeats_s)
     # SIGTERM: stop accepting, let requests in flight finish for drain_s, then cut them off (closing their
     # vLLM requests, which vLLM then aborts) and exit.
     if args.reload:  # a --reload worker is another process: it reads the flags from the environment

@@ -192,6 +192,9 @@ class ServiceSettings(BaseModel):
         75, ge=1, description="How long an idle client connection is kept open. Longer than common clients' own "
         "idle limits (httpx 5 s, aiohttp 15 s, a load balancer's 60 s), so the client always closes first: a server "
         "closing a connection just as a client reuses it fails that client's request (a reset, not a status).")
+    log_repeats_s: float = Field(30.0, ge=0, description="Repeated failures of one kind (a status on a path, one "
+                                 "error) are logged once, then counted in one line per this many seconds, and "
+                                 "their end said (s; 0: every one logged).")
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024, description="Largest request body accepted (413 above "
                                 "it); checked while the body streams in, after authentication.")
     prompts_dir: Path = Field(Path(__file__).resolve().parents[2] / "prompts", description="Prompt templates.")

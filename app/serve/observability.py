@@ -11,6 +11,7 @@ from fastapi import FastAPI
 from prometheus_fastapi_instrumentator import Instrumentator
 
 from app.core.metrics import ServiceMetrics
+from app.serve.repeats import Repeats
 
 REQUEST_ID_HEADER = "X-Request-ID"
 PROBES = frozenset({"/healthz", "/readyz", "/metrics"})
@@ -26,11 +27,14 @@ def observe(app: FastAPI, metrics: ServiceMetrics) -> None:
                        validator=lambda value: 0 < len(value) <= 128 and value.isprintable())
 
 
-def configure_logging(level: int = logging.INFO) -> None:
+def configure_logging(level: int = logging.INFO, repeats_s: float | None = None) -> None:
     """The entry point's logging: the request id on every line; probe access lines only when they fail; httpx's
-    per-request lines off (our monitors log state changes instead)."""
+    per-request lines off (our monitors log state changes instead); with ``repeats_s``, repeated failures of one
+    kind aggregated (``app.serve.repeats``)."""
     handler = logging.StreamHandler()
     handler.addFilter(CorrelationIdFilter(default_value="-"))
+    if repeats_s:
+        handler.addFilter(Repeats(repeats_s).start())
     handler.setFormatter(logging.Formatter(LOG_FORMAT))
     logging.basicConfig(level=level, handlers=[handler])
     logging.getLogger("uvicorn.access").addFilter(QuietProbes())

@@ -1,0 +1,66 @@
+"""Repeated failures are aggregated in the log: ``python -m app`` with its vLLM down (nothing listens at its URL)
+under four clients writes the first failure of each kind, a count per interval and the end, not a line per
+request. No vLLM is involved (it is down by design): tested here only."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import httpx
+
+from app.serve.repeats import Repeats
+from app.vllm.process import app_child, free_port
+
+
+def access(status: int, path: str = "/ask") -> logging.LogRecord:
+    return logging.LogRecord("uvicorn.access", logging.INFO, __file__, 1, '%s - "%s %s HTTP/%s" %d',
+                             ("127.0.0.1:5", "POST", path, "1.1", status), None)
+
+
+def test_one_kind_is_logged_once_then_counted_then_its_end_said(caplog):
+    repeats = Repeats(interval_s=10)
+    assert repeats.filter(access(503)) and repeats.filter(access(200)) and repeats.filter(access(503, "/v1/x"))
+    assert not any(repeats.filter(access(503)) for _ in range(5))  # held back: the same status on the same path
+    with caplog.at_level(logging.INFO, logger="uvicorn.access"):
+        now = time.monotonic()
+        repeats.flush(now + 11)  # the interval passed with nothing new: both kinds have stopped
+    lines = [r.getMessage() for r in caplog.records]
+    assert any("repeated (stopped: 6 in" in line and "POST /ask" in line for line in lines), lines
+    assert len(lines) == 1, "the /v1/x 503 came once: nothing to say of it"
+    assert repeats.filter(access(503))  # a new episode starts with its first line
+
+
+def test_an_outage_under_four_clients_is_a_handful_of_lines_not_one_per_request(tmp_path):
+    port, log = free_port(), tmp_path / "app.log"
+    env = {"RAG_VLLM_URL": f"http://127.0.0.1:{free_port()}/v1", "RAG_CHROMA_PATH": str(tmp_path / "chroma"),
+           "RAG_SERVICE__LOG_REPEATS_S": "1", "RAG_VLLM__RETRY_INTERVAL_S": "30"}
+    app = app_child(log, env, port).start()
+    url = f"http://127.0.0.1:{port}"
+    sent, stop = [], threading.Event()
+
+    def client() -> None:
+        with httpx.Client(timeout=10) as http:
+            while not stop.is_set():
+                sent.append(http.post(url + "/ask", json={"question": "Are you there?"}).status_code)
+
+    try:
+        app.wait_for(url + "/healthz", 120)
+        before = len(log.read_text().splitlines())
+        clients = [threading.Thread(target=client) for _ in range(4)]
+        for thread in clients:
+            thread.start()
+        time.sleep(3)
+        stop.set()
+        for thread in clients:
+            thread.join()
+        time.sleep(2.5)  # an interval with nothing: the end of the outage is said
+    finally:
+        app.stop()
+    lines = log.read_text().splitlines()[before:]
+    failures = [line for line in lines if "/ask" in line or "503" in line]
+    assert set(sent) == {503} and len(sent) > 40, (len(sent), set(sent))
+    # Two kinds (the access line and the failure's reason): the first of each, a count a second, their end.
+    assert len(failures) <= 2 * (1 + 4 + 1), "\n".join(failures)
+    assert any("repeated (stopped:" in line and "POST /ask" in line for line in failures), "\n".join(failures)
