@@ -6,8 +6,10 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import socket
 import sys
-from typing import TYPE_CHECKING
+from types import FrameType
+from typing import TYPE_CHECKING, Any
 
 import uvicorn
 from pydantic import ValidationError
@@ -16,6 +18,7 @@ if TYPE_CHECKING:
     from fastapi import FastAPI
 
     from app.core.settings import Settings
+    from app.serve.repeats import Repeats
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -44,18 +47,39 @@ def main(argv: list[str] | None = None) -> int:
     except ValidationError as exc:
         print(f"error: {invalid_setting(exc)}", file=sys.stderr)
         return 2
-    configure_logging(repeats_s=settings.service.log_repeats_s)
-    # SIGTERM: stop accepting, let requests in flight finish for drain_s, then cut them off (closing their
-    # vLLM requests, which vLLM then aborts) and exit.
+    repeats = configure_logging(repeats_s=settings.service.log_repeats_s)
+    # log_config=None: uvicorn's lines go through ours (request id, quiet probes).
+    options: dict[str, Any] = {"host": settings.service.host, "port": settings.service.port, "log_level": "info",
+                               "timeout_graceful_shutdown": math.ceil(settings.traffic.drain_s),
+                               "timeout_keep_alive": settings.service.keep_alive_s, "log_config": None}
     if args.reload:  # a --reload worker is another process: it reads the flags from the environment
         os.environ.update(environment_of(flags))
-    app = "app.serve.app:create_app" if args.reload else _create(settings)
-    # log_config=None: uvicorn's lines go through ours (request id, quiet probes).
-    uvicorn.run(app, factory=args.reload, reload=args.reload, host=settings.service.host,
-                port=settings.service.port, log_level="info",
-                timeout_graceful_shutdown=math.ceil(settings.traffic.drain_s),
-                timeout_keep_alive=settings.service.keep_alive_s, log_config=None)
+        uvicorn.run("app.serve.app:create_app", factory=True, reload=True, **options)
+        return 0
+    app = _create(settings)
+    DrainingServer(uvicorn.Config(app, **options), app, settings.traffic.drain_s, repeats).run()
     return 0
+
+
+class DrainingServer(uvicorn.Server):
+    """SIGTERM: stop accepting, let requests in flight finish for ``drain_s``; shortly before that, a request
+    still running ends with a terminal event (``ShuttingDown``: 503, ``event: error``, a chat's error chunk and
+    ``[DONE]``) and its vLLM request is aborted, instead of being cut off mid-body; then exit."""
+
+    def __init__(self, config: uvicorn.Config, app: FastAPI, drain_s: float, repeats: Repeats | None) -> None:
+        super().__init__(config)
+        self.app, self.drain_s, self.repeats = app, drain_s, repeats
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        services = getattr(self.app.state, "services", None)
+        if services is not None:  # the streams end ahead of uvicorn's own cut, so that they can end cleanly
+            services.traffic.drain(self.drain_s - min(1.0, self.drain_s / 4))
+        super().handle_exit(sig, frame)
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().shutdown(sockets)
+        if self.repeats is not None:  # uvicorn re-raises the signal after this: atexit would never run
+            self.repeats.close()
 
 
 def _create(settings: Settings) -> FastAPI:

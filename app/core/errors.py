@@ -47,6 +47,14 @@ class StoreUnavailable(UpstreamUnavailable):
     code = "collection_unavailable"
 
 
+class ShuttingDown(ServiceError):
+    """The service is stopping (SIGTERM) and its drain time is over: a request still running ends with this,
+    its vLLM request aborted; a client retries elsewhere or after the restart."""
+
+    status, type, code = 503, "service_unavailable", "shutting_down"
+    retry_after_s = 1
+
+
 class Overloaded(ServiceError):
     """Admission control: every slot and queue place is taken; refused at once rather than answered late."""
 

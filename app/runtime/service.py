@@ -4,10 +4,11 @@ collection. Routers call this; FastAPI-free."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator
 
-from app.core.errors import StoreUnavailable, UpstreamUnavailable
+from app.core.errors import ShuttingDown, StoreUnavailable, UpstreamUnavailable
 from app.core.metrics import ServiceMetrics
 from app.rag.pipeline import Answer, Pipeline, final_answer
 from app.rag.planner import ContextPlanner
@@ -48,10 +49,14 @@ class Service:
         return await final_answer(self.chat_stream(chat))
 
     async def _admitted(self, events: AsyncIterator[Delta | Answer]) -> AsyncGenerator[Delta | Answer, None]:
-        """Admission (a slot, or 429 at once) around the whole request, and vLLM's health watched."""
+        """Admission (a slot, or 429 at once) around the whole request, and vLLM's health watched. Once a stop's
+        drain time is over, a request still running ends with ``ShuttingDown`` at its next event (its client gets
+        a terminal event; closing ``events`` aborts its vLLM request) rather than be cut off mid-body."""
         try:
-            async with self.traffic.slot():
+            async with self.traffic.slot(), contextlib.aclosing(events):  # type: ignore[type-var]
                 async for event in events:
+                    if self.traffic.cut_off():
+                        raise ShuttingDown("the service is shutting down; retry shortly")
                     yield event
         except StoreUnavailable:
             raise  # Chroma's problem, not vLLM's: the collection watcher keeps readiness for it

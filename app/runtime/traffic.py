@@ -64,7 +64,18 @@ class LiveTraffic:
         self._room_until = 0.0  # vLLM queued nothing at its last reading, which counts until then
         self._growth = 0  # places the limit may still grow by before vLLM's queue is read again
         self._queueing = False  # vLLM's last reading showed requests waiting in its queue
+        self._cut_at: float | None = None  # stopping: when requests still running are ended (monotonic s)
         self._changed = asyncio.Event()  # set (and replaced) at each reading of vLLM's queue and each freed place
+
+    def drain(self, seconds: float) -> None:
+        """The process is stopping: requests still running after ``seconds`` are to end (``cut_off``). Safe to
+        call from a signal handler."""
+        if self._cut_at is None:
+            self._cut_at = time.monotonic() + seconds
+
+    def cut_off(self) -> bool:
+        """Is the drain time over (checked by every stream at each event)?"""
+        return self._cut_at is not None and time.monotonic() >= self._cut_at
 
     @property
     def busy(self) -> asyncio.Event:
@@ -127,8 +138,8 @@ class LiveTraffic:
         deadline = time.monotonic() + (self.auto.wait_s if self.auto is not None else 0.0)
         while self.present >= self.max_in_flight + self.max_queued and not self._grow():
             left = deadline - time.monotonic()
-            if self._queueing or left <= 0:
-                return False
+            if self._queueing or left <= 0 or self.auto is None or self.max_in_flight >= self.auto.high:
+                return False  # vLLM queues, the wait is over, or the limit cannot grow: refused at once
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._changed.wait(), left)
         return True

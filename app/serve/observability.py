@@ -27,19 +27,21 @@ def observe(app: FastAPI, metrics: ServiceMetrics) -> None:
                        validator=lambda value: 0 < len(value) <= 128 and value.isprintable())
 
 
-def configure_logging(level: int = logging.INFO, repeats_s: float | None = None) -> None:
+def configure_logging(level: int = logging.INFO, repeats_s: float | None = None) -> Repeats | None:
     """The entry point's logging: the request id on every line; probe access lines only when they fail; httpx's
     per-request lines off (our monitors log state changes instead); with ``repeats_s``, repeated failures of one
     kind aggregated (``app.serve.repeats``)."""
     handler = logging.StreamHandler()
     handler.addFilter(CorrelationIdFilter(default_value="-"))
-    if repeats_s:
-        handler.addFilter(Repeats(repeats_s).start())
+    repeats = Repeats(repeats_s).start() if repeats_s else None
+    if repeats is not None:
+        handler.addFilter(repeats)
     handler.setFormatter(logging.Formatter(LOG_FORMAT))
     logging.basicConfig(level=level, handlers=[handler])
     logging.getLogger("uvicorn.access").addFilter(QuietProbes())
     for noisy in ("httpx", "httpx2"):  # httpx2: the openai SDK's own copy of httpx
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    return repeats
 
 
 class QuietProbes(logging.Filter):

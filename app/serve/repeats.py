@@ -4,7 +4,9 @@ it is; then one line per interval counts those held back; one line says when the
 
 from __future__ import annotations
 
+import atexit
 import logging
+import math
 import threading
 import time
 from dataclasses import dataclass
@@ -30,9 +32,15 @@ class Repeats(logging.Filter):
         self._reported = time.monotonic()
 
     def start(self) -> Repeats:
-        """Summaries are written by a thread of their own: an outage's end is logged even when nothing else is."""
+        """Summaries are written by a thread of their own: an outage's end is logged even when nothing else is;
+        at exit, what was still held back is counted."""
         threading.Thread(target=self._run, name="log-repeats", daemon=True).start()
+        atexit.register(self.close)
         return self
+
+    def close(self) -> None:
+        """Count what is still held back, now (a server stopped by a signal may never reach ``atexit``)."""
+        self.flush(math.inf)
 
     def filter(self, record: logging.LogRecord) -> bool:
         kind = failure_kind(record)

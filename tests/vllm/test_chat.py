@@ -147,14 +147,14 @@ def test_a_50_message_chat_retrieves_once_per_new_turn(collections, vllm_url, em
     app = create_app(settings, embedder=embedder)
     with AppServer(app) as server:
         server.wait_ready()
-        retriever, calls = app.state.services.retriever, []
-        retrieve = retriever.retrieve
+        ranker, calls = app.state.services.clients.ranker, []
+        rank = ranker.rank
 
         async def counted(question, *args, **kwargs):
             calls.append(question)
-            return await retrieve(question, *args, **kwargs)
+            return await rank(question, *args, **kwargs)
 
-        retriever.retrieve = counted
+        ranker.rank = counted
         messages = []
         for turn in range(25):  # 25 user turns + 24 answers sent back: 49 messages in the last request
             messages.append({"role": "user", "content": f"Question {turn}: how does prefixrag order chunks?"})
