@@ -45,7 +45,9 @@ def install_error_handlers(app: FastAPI) -> None:
             position = first["loc"][-1]
             message = f"invalid JSON at character {position}: {first.get('ctx', {}).get('error', first['msg'])}"
             return JSONResponse(error_body(message, "invalid_request_error", None, "invalid_json"), status_code=400)
-        param = ".".join(str(p) for p in first["loc"] if p != "body") or None
+        # The fields and indexes the client sent, not pydantic's names for a union's members or validators.
+        field = ".".join(str(p) for p in first["loc"] if p != "body" and (isinstance(p, int) or p.isidentifier()))
+        param = field or None
         message = f"{param}: {first['msg']}" if param else first["msg"]
         return JSONResponse(error_body(message, "invalid_request_error", param, "invalid_request"), status_code=400)
 

@@ -147,6 +147,7 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
+    name: Text | None = None  # not used, but validated like every text a client sends
 
     @model_validator(mode="after")
     def _text_is_valid_unicode(self) -> ChatMessage:

@@ -60,6 +60,7 @@ def test_the_api_key_is_a_bearer_scheme_in_the_openapi_schema_and_is_enforced(no
     for path, method in (("/ask", "post"), ("/v1/chat/completions", "post"), ("/v1/models", "get"),
                          ("/metrics", "get")):
         assert schema["paths"][path][method]["security"] == [{"HTTPBearer": []}], path
+        assert "401" in schema["paths"][path][method]["responses"], path  # documented where it can happen
     assert "security" not in schema["paths"]["/healthz"]["get"]
     assert statuses == [401, 401, 401, 200] and posted == [401, 200]
     assert set(ready_open) == {"ready", "reason"} and "warmup" in ready_keyed

@@ -80,6 +80,8 @@ def test_wrong_method_is_405_with_allow(keyed):
     ("/ask", {"question": "What do anchors do?\ud800"}),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi \udfff there"}]}),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": "\ud800"}]}]}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi", "name": "\ud800"}]}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "stop": "\ud800"}),
 ])
 def test_a_lone_surrogate_is_400_streamed_or_not(keyed, path, body):
     headers = {"authorization": "Bearer s3cret", "content-type": "application/json"}
@@ -88,6 +90,8 @@ def test_a_lone_surrogate_is_400_streamed_or_not(keyed, path, body):
                               timeout=60)
         assert response.status_code == 400, response.text
         assert "invalid Unicode" in response.json()["error"]["message"]
+        if "stop" in body:  # the field the client sent, not pydantic's name for the union member it tried
+            assert response.json()["error"]["param"] == "stop"
 
 
 def test_failing_requests_do_not_speed_up_the_vllm_probes(collections, vllm_url, embedder, caplog):

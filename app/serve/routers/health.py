@@ -9,6 +9,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from app.serve.deps import Authorized, HoldsKey, MetricsDep, ServiceDep
+from app.serve.protocol import ErrorResponse
 
 router = APIRouter(tags=["health"])
 
@@ -30,6 +31,7 @@ async def readyz(service: ServiceDep, allowed: HoldsKey) -> JSONResponse:
 
 
 @router.get("/metrics", dependencies=[Authorized], response_class=Response,
-            responses={200: {"content": {CONTENT_TYPE_LATEST.split(";")[0]: {}}, "description": "Prometheus text"}})
+            responses={200: {"content": {CONTENT_TYPE_LATEST.split(";")[0]: {}}, "description": "Prometheus text"},
+                       401: {"model": ErrorResponse, "description": "RAG_API_KEY is set and the key is wrong"}})
 async def metrics(registry: MetricsDep) -> Response:
     return Response(generate_latest(registry.registry), media_type=CONTENT_TYPE_LATEST)

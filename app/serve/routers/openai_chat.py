@@ -43,7 +43,7 @@ ERRORS: dict[int | str, dict[str, Any]] = STREAMED_200 | {
     code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 429, 503, 504)}
 
 
-@router.get("/models", response_model=ModelList)
+@router.get("/models", response_model=ModelList, responses={401: {"model": ErrorResponse}})
 async def list_models(settings: SettingsDep) -> ModelList:
     return ModelList(data=[ModelCard(id=settings.service.model_id)])
 
