@@ -26,16 +26,19 @@ class TemplateError(Exception):
 def inert(text: str) -> str:
     """Neutralise delimiters and role markers inside untrusted text, keeping it readable.
 
-    ``<|im_start|>`` becomes ``<\u200b|im_start|\u200b>`` (not one special token any more) and ``</document>``
-    becomes ``&lt;/document>`` so a chunk can neither close its block nor open a new chat turn.
+    ``<|im_start|>`` becomes ``<\\|im_start\\|>`` (not one special token any more, nor the text of a template's
+    marker) and ``</document>`` becomes ``&lt;/document>`` so a chunk can neither close its block nor open a new
+    chat turn. The escape is visible: a tokenizer's normalisation drops zero-width characters (BERT's does), so a
+    zero-width break would tokenize exactly as the marker it was meant to break.
     """
-    text = _SPECIAL.sub(lambda m: "<\u200b|" if m.group(0) == "<|" else "|\u200b>", text)
+    text = _SPECIAL.sub(lambda m: "<\\|" if m.group(0) == "<|" else "\\|>", text)
     return _DELIMITER.sub(lambda m: f"&lt;{m.group(1)}{m.group(2)}", text)
 
 
 class Neutraliser:
     """``inert`` plus the served model's own special tokens (``[SEP]``, ``<s>``, ``[INST]``, ``<start_of_turn>``
-    ...), as vLLM's tokenizer lists them: each is broken by a zero-width space, so text can never carry one."""
+    ...), as vLLM's tokenizer lists them: each is broken by a backslash after its first character (``[\\SEP]``),
+    so text can never carry one."""
 
     def __init__(self) -> None:
         self.served: tuple[str, ...] = ()  # as last given; the pattern is rebuilt only when they change
@@ -51,7 +54,7 @@ class Neutraliser:
 
     def __call__(self, text: str) -> str:
         text = inert(text)
-        return self._pattern.sub(lambda m: m.group(0)[0] + "\u200b" + m.group(0)[1:], text) if self._pattern else text
+        return self._pattern.sub(lambda m: m.group(0)[0] + "\\" + m.group(0)[1:], text) if self._pattern else text
 
     def attribute(self, text: str) -> str:
         return self(text).replace('"', "&quot;").replace("\n", " ")

@@ -3,7 +3,6 @@ routing headers (prefix affinity for vllm-router), limits and retries slot in he
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -11,6 +10,7 @@ from typing import Any
 
 import httpx
 import openai
+import orjson
 from openai import AsyncOpenAI, DefaultAsyncHttpxClient
 
 from app.core.errors import BadRequest
@@ -47,8 +47,8 @@ class Capture:
         path.parent.mkdir(parents=True, exist_ok=True)
         self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
 
-    def write(self, line: str) -> None:
-        os.write(self.fd, line.encode())
+    def write(self, line: bytes) -> None:
+        os.write(self.fd, line)
 
     def close(self) -> None:
         os.close(self.fd)
@@ -99,17 +99,18 @@ class LLMClient:
         """Yield answer deltas; fill ``result`` with finish reason and usage (incl. cached tokens) as they come.
         ``prompt_ids``: the request's prompt as token ids (``app.vllm.prompt_ids``), sent to ``/v1/completions``
         instead of its messages; the same sampling, headers and answer. The stream is read as it arrives: each
-        event is one ``json.loads``, no typed model per chunk (the relay runs on the event loop, for every token
-        of every answer in flight)."""
+        event is one ``orjson.loads``, no typed model per chunk, and the body one ``orjson.dumps`` (the relay and
+        the request's encoding run on the event loop, for every token of every answer in flight)."""
         body, headers = wire(request)
         path = "/v1/chat/completions"
         if prompt_ids is not None:
             del body["messages"]
             body["prompt"], path = prompt_ids, "/v1/completions"
         if self.capture is not None:
-            self.capture.write(json.dumps({"path": path, "headers": headers, "body": body}) + "\n")
+            self.capture.write(orjson.dumps({"path": path, "headers": headers, "body": body}) + b"\n")
+        headers = headers | {"content-type": "application/json"}
         with upstream_errors():
-            async with self.http.stream("POST", path, json=body, headers=headers) as response:
+            async with self.http.stream("POST", path, content=orjson.dumps(body), headers=headers) as response:
                 if response.status_code != 200:
                     await response.aread()
                     raise status_error(response)

@@ -4,13 +4,13 @@ named errors, and what vLLM says it serves (``UpstreamInfo``, its replicas behin
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import httpx
 import openai
+import orjson
 
 from app.core.errors import BadRequest, ContextTooLong, UpstreamError, UpstreamTimeout, UpstreamUnavailable
 
@@ -77,7 +77,7 @@ async def events(response: httpx.Response) -> AsyncIterator[dict[str, Any]]:
         data = line[5:].strip()
         if data == "[DONE]":
             return
-        yield json.loads(data)
+        yield orjson.loads(data)
 
 
 def read_event(event: dict[str, Any], result: Completion, completion: bool) -> Iterator[str]:

@@ -7,6 +7,7 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
+import orjson
 from fastapi import APIRouter, Request
 
 from app.core.errors import ServiceError
@@ -63,7 +64,7 @@ async def _sse(events: AsyncIterator[Delta | Answer]) -> AsyncIterator[bytes]:
     try:
         async for event in events:
             if isinstance(event, Delta):
-                yield sse(json.dumps({"text": event.text}), "delta")
+                yield sse(orjson.dumps({"text": event.text}).decode(), "delta")
             else:
                 yield sse(to_response(event).model_dump_json(), "done")
     except ServiceError as exc:
