@@ -26,12 +26,12 @@ class TemplateError(Exception):
 def inert(text: str) -> str:
     """Neutralise delimiters and role markers inside untrusted text, keeping it readable.
 
-    ``<|im_start|>`` becomes ``<\\|im_start\\|>`` (not one special token any more, nor the text of a template's
+    ``<|im_start|>`` becomes ``<\\|im_start|\\>`` (not one special token any more, nor the text of a template's
     marker) and ``</document>`` becomes ``&lt;/document>`` so a chunk can neither close its block nor open a new
     chat turn. The escape is visible: a tokenizer's normalisation drops zero-width characters (BERT's does), so a
     zero-width break would tokenize exactly as the marker it was meant to break.
     """
-    text = _SPECIAL.sub(lambda m: "<\\|" if m.group(0) == "<|" else "\\|>", text)
+    text = _SPECIAL.sub(lambda m: "<\\|" if m.group(0) == "<|" else "|\\>", text)
     return _DELIMITER.sub(lambda m: f"&lt;{m.group(1)}{m.group(2)}", text)
 
 
