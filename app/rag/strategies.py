@@ -20,7 +20,7 @@ from typing import Protocol
 from app.rag.context import ContextChunk, canonical
 from app.rag.index import CollectionIndex
 from app.rag.trie import ServedTrie
-from app.rag.units import Hotness, UnitIndex, as_unit, estimate_tokens
+from app.rag.units import Hotness, Placements, UnitIndex, estimate_tokens
 
 log = logging.getLogger("prefixrag.strategies")
 QUESTION_HEADROOM_TOKENS = 256  # room kept for the question when deciding whether the corpus fits
@@ -160,10 +160,12 @@ class Corpus(Canonical):
         self.chunks: list[ContextChunk] | None = None
         self.fits = False
         self.tokens = 0  # the corpus prompt's size (system + all chunks), measured at warm-up
+        self.placements = Placements(1)  # the corpus at its one rank, made once
 
     def forget(self) -> None:
         """The collection changed: re-read and re-decided before it is used again."""
         self.chunks, self.fits, self.tokens = None, False, 0
+        self.placements.clear()
 
     async def load(self) -> list[ContextChunk]:
         # Parent by parent, each in natural order and rendered as one unit (one header per parent document).
@@ -179,4 +181,4 @@ class Corpus(Canonical):
             # for this request's answer budget: canonical.
             return canonical(ranked)
         # One rank for the whole corpus: it is kept or trimmed as a unit, never re-ordered.
-        return as_unit(self.chunks, 0, {c.id: c for c in ranked})
+        return self.placements.place(self.name, self.chunks, 0, {c.id: c for c in ranked})

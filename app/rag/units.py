@@ -131,17 +131,11 @@ def window_of(key: str) -> Window | None:
     return Window(parent_id, int(start), int(size)) if at and colon and start.isdigit() and size.isdigit() else None
 
 
-def as_unit(chunks: list[ContextChunk], rank: int, hits: dict[str, ContextChunk]) -> list[ContextChunk]:
-    """The unit's chunks, all carrying the unit's rank; the retrieved ones are flagged with their score.
-
-    Everything rendered comes from the unit's own chunks, so the unit's bytes never depend on the question."""
-    return [replace(c, rank=rank, score=hits[c.id].score, retrieved=True) if c.id in hits
-            else replace(c, rank=rank, retrieved=False) for c in chunks]
-
-
 class Placements:
-    """``as_unit`` for units that recur across requests: a unit's chunks at a rank are made once, and a request
-    copies only its own hits (a page of 40 chunks cost 40 copies per request)."""
+    """A unit as a prompt places it: its chunks all carrying the unit's rank, the retrieved ones flagged with
+    their score. Everything rendered comes from the unit's own chunks, so the unit's bytes never depend on the
+    question. Units recur across requests: a unit's chunks at a rank are made once, and a request copies only its
+    own hits (a page of 40 chunks cost 40 copies per request)."""
 
     def __init__(self, size: int = 4096) -> None:
         self.size = size
