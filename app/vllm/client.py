@@ -106,11 +106,13 @@ class LLMClient:
         if prompt_ids is not None:
             del body["messages"]
             body["prompt"], path = prompt_ids, "/v1/completions"
+        payload = orjson.dumps(body)  # once: the capture line carries the very bytes sent
         if self.capture is not None:
-            self.capture.write(orjson.dumps({"path": path, "headers": headers, "body": body}) + b"\n")
+            self.capture.write(b'{"path":%b,"headers":%b,"body":%b}\n' % (orjson.dumps(path), orjson.dumps(headers),
+                                                                           payload))
         headers = headers | {"content-type": "application/json"}
         with upstream_errors():
-            async with self.http.stream("POST", path, content=orjson.dumps(body), headers=headers) as response:
+            async with self.http.stream("POST", path, content=payload, headers=headers) as response:
                 if response.status_code != 200:
                     await response.aread()
                     raise status_error(response)
