@@ -18,6 +18,12 @@ async def hold(traffic: LiveTraffic, count: int, stack: contextlib.AsyncExitStac
         await stack.enter_async_context(traffic.slot())
 
 
+async def held_until(traffic: LiveTraffic, release: asyncio.Event) -> None:
+    """One request that holds its place until ``release`` is set."""
+    async with traffic.slot():
+        await release.wait()
+
+
 async def test_the_limit_grows_only_on_a_fresh_reading_that_shows_no_queue():
     traffic = LiveTraffic(2, 0, AutoLimit(low=2, high=100, fresh_s=60))
     async with contextlib.AsyncExitStack() as stack:
@@ -82,14 +88,9 @@ async def test_a_fixed_limit_ignores_vllms_queue_and_queued_requests_get_the_pla
 async def test_a_queued_request_cancelled_while_it_waits_neither_keeps_nor_loses_a_place():
     traffic = LiveTraffic(1, 1, AutoLimit(low=1, high=10, fresh_s=60))
     release = asyncio.Event()
-
-    async def request() -> None:
-        async with traffic.slot():
-            await release.wait()
-
-    holder = asyncio.create_task(request())
+    holder = asyncio.create_task(held_until(traffic, release))
     await asyncio.sleep(0.01)
-    gone = asyncio.create_task(request())  # queued behind the holder
+    gone = asyncio.create_task(held_until(traffic, release))  # queued behind the holder
     await asyncio.sleep(0.01)
     gone.cancel()  # its wait is cancelled; the task itself has not run again yet
     traffic.engine_queue(0)
@@ -133,14 +134,9 @@ async def test_the_wait_for_a_reading_is_bounded_and_a_freed_place_ends_it():
             await stack.enter_async_context(traffic.slot())
     traffic = LiveTraffic(1, 0, AutoLimit(low=1, high=100, fresh_s=60, wait_s=30))
     release = asyncio.Event()
-
-    async def holder() -> None:
-        async with traffic.slot():
-            await release.wait()
-
-    first = asyncio.create_task(holder())
+    first = asyncio.create_task(held_until(traffic, release))
     await asyncio.sleep(0.01)
-    second = asyncio.create_task(holder())
+    second = asyncio.create_task(held_until(traffic, release))
     await asyncio.sleep(0.01)
     release.set()  # the first leaves: the second takes its place without any reading
     await asyncio.wait_for(asyncio.gather(first, second), 1)
