@@ -78,7 +78,8 @@ class LexicalIndex:
             return []
         mask = None if sources is None else np.array([s in sources for s in self.sources], dtype=np.float32)
         found, scores = self.bm25.retrieve(tokenize([question]), k=min(k, len(self.ids)), weight_mask=mask,
-                                           show_progress=False, n_threads=1, backend_selection="numpy")
+                                           show_progress=False, n_threads=0,  # 0: here (1 starts a pool per question)
+                                           backend_selection="numpy")
         return [(self.ids[i], float(s)) for i, s in zip(found[0], scores[0]) if s > 0]
 
 
