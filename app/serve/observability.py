@@ -4,7 +4,10 @@ logs that say what happened rather than that a probe came by."""
 
 from __future__ import annotations
 
+import atexit
 import logging
+import queue
+from logging.handlers import QueueHandler, QueueListener
 
 from asgi_correlation_id import CorrelationIdFilter, CorrelationIdMiddleware
 from fastapi import FastAPI
@@ -30,13 +33,18 @@ def observe(app: FastAPI, metrics: ServiceMetrics) -> None:
 def configure_logging(level: int = logging.INFO, repeats_s: float | None = None) -> Repeats | None:
     """The entry point's logging: the request id on every line; probe access lines only when they fail; httpx's
     per-request lines off (our monitors log state changes instead); with ``repeats_s``, repeated failures of one
-    kind aggregated (``app.serve.repeats``)."""
-    handler = logging.StreamHandler()
-    handler.addFilter(CorrelationIdFilter(default_value="-"))
+    kind aggregated (``app.serve.repeats``). Lines are written by a thread of their own (``QueueListener``): the
+    event loop serving every request only queues a record, and never waits on a write to a busy pipe or disk."""
+    written = logging.StreamHandler()
+    written.setFormatter(logging.Formatter(LOG_FORMAT))
+    listener = QueueListener(queue.SimpleQueue(), written)
+    listener.start()
+    atexit.register(listener.stop)  # registered first, so it runs last: the repeats' closing counts get written
+    handler = QueueHandler(listener.queue)
+    handler.addFilter(CorrelationIdFilter(default_value="-"))  # here: the request id is the caller's context
     repeats = Repeats(repeats_s).start() if repeats_s else None
     if repeats is not None:
         handler.addFilter(repeats)
-    handler.setFormatter(logging.Formatter(LOG_FORMAT))
     logging.basicConfig(level=level, handlers=[handler])
     logging.getLogger("uvicorn.access").addFilter(QuietProbes())
     for noisy in ("httpx", "httpx2"):  # httpx2: the openai SDK's own copy of httpx
