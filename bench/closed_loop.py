@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 
 from app.vllm.client import LLMClient
-from app.vllm.wire import Completion, events, read_event, wire
+from app.vllm.wire import Completion, event_batches, read_event, wire
 from bench.modes import NAIVE_SYSTEM
 
 MAX_RETRIES = 30  # a question refused this often is counted as refused
@@ -55,8 +55,8 @@ async def closed_loop(concurrency: int, items: Sequence[Any], one: Callable[[Any
 async def stream_times(response: httpx.Response, started: float, completion: bool = False) -> float:
     """Read an OpenAI-style event stream to its end; the time its first answer text arrived (or its end)."""
     first, result = 0.0, Completion()
-    async for event in events(response):
-        if any(read_event(event, result, completion)):
+    async for batch in event_batches(response):
+        if any([text for event in batch for text in read_event(event, result, completion)]):
             first = first or time.perf_counter() - started
     return first
 

@@ -19,7 +19,7 @@ from app.vllm.wire import (
     Completion,
     Delta,
     Replica,
-    events,
+    event_batches,
     read_event,
     replicas_of,
     special_tokens_of,
@@ -98,9 +98,10 @@ class LLMClient:
                           prompt_ids: list[int] | None = None) -> AsyncIterator[Delta]:
         """Yield answer deltas; fill ``result`` with finish reason and usage (incl. cached tokens) as they come.
         ``prompt_ids``: the request's prompt as token ids (``app.vllm.prompt_ids``), sent to ``/v1/completions``
-        instead of its messages; the same sampling, headers and answer. The stream is read as it arrives: each
-        event is one ``orjson.loads``, no typed model per chunk, and the body one ``orjson.dumps`` (the relay and
-        the request's encoding run on the event loop, for every token of every answer in flight)."""
+        instead of its messages; the same sampling, headers and answer. The stream is read as it arrives, a delta
+        per network read (``event_batches``): each event is one ``orjson.loads``, no typed model per chunk, and
+        the body one ``orjson.dumps`` (the relay and the request's encoding run on the event loop, for every token
+        of every answer in flight)."""
         body, headers = wire(request)
         path = "/v1/chat/completions"
         if prompt_ids is not None:
@@ -116,8 +117,10 @@ class LLMClient:
                 if response.status_code != 200:
                     await response.aread()
                     raise status_error(response)
-                async for event in events(response):
-                    for text in read_event(event, result, completion=prompt_ids is not None):
+                async for batch in event_batches(response):
+                    text = "".join(piece for event in batch
+                                   for piece in read_event(event, result, completion=prompt_ids is not None))
+                    if text:
                         yield Delta(text)
 
     async def complete(self, request: dict[str, Any]) -> Any:
