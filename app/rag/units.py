@@ -38,6 +38,7 @@ class UnitIndex:
         self.index, self.configured_max, self.max_unit_tokens = index, max_unit_tokens, max_unit_tokens
         self._parents: AsyncLRU[list[ContextChunk]] = AsyncLRU(cache_size)
         self._tagged: AsyncLRU[tuple[str, list[ContextChunk]]] = AsyncLRU(cache_size)  # a hit's unit, tagged
+        self._units: AsyncLRU[list[ContextChunk]] = AsyncLRU(cache_size)  # a unit's chunks, tagged: once per unit
         self.placements = Placements(4 * cache_size)
 
     def limit_to(self, tokens: int) -> None:
@@ -45,10 +46,12 @@ class UnitIndex:
         if min(self.configured_max, tokens) != self.max_unit_tokens:
             self.max_unit_tokens = min(self.configured_max, tokens)
             self._tagged.clear()  # windows are cut anew
+            self._units.clear()
 
     def forget(self) -> None:
         self._parents.clear()
         self._tagged.clear()
+        self._units.clear()
         self.placements.clear()
 
     async def parent(self, parent_id: str) -> list[ContextChunk]:
@@ -79,7 +82,11 @@ class UnitIndex:
 
     async def _tag(self, hit: ContextChunk) -> tuple[str, list[ContextChunk]]:
         key, chunks = await self._locate(hit)
-        return key, [replace(c, unit=key) for c in chunks]
+
+        async def tagged() -> list[ContextChunk]:
+            return [replace(c, unit=key) for c in chunks]
+
+        return key, await self._units.get(key, tagged)  # every hit of a big parent once, not a copy per hit
 
     async def _fetch_page(self, page: str) -> list[ContextChunk]:
         index = self.index.page_index()
