@@ -75,6 +75,13 @@ def cpu_seconds(pid: int) -> float:
     return total
 
 
+def loop_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of ``pid``'s main thread alone: the app's event loop, which every request and
+    every relayed token of the serving process passes through (busy for the whole arm: it sets the pace)."""
+    fields = Path(f"/proc/{pid}/task/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def summary(result: dict) -> str:
     lines = [f"{'arm':<10} {'c':>4} {'tok':>4} {'stream':>6} {'ans/s':>7} {'TTFT p50':>9} {'p99':>7} {'outside':>8}"]
     for r in result["results"]:

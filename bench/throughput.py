@@ -11,7 +11,9 @@ Each cell (concurrency x answer length x streamed or not) takes a fresh slice of
 same slice for every arm, so no arm finds a question the app has already answered. Per arm it reports answers/s,
 TTFT p50/p95/p99 (streamed: the first answer text; not streamed: the whole answer), and for the app the time its
 stages took (retrieval, building the prompt, vLLM's first token as the app saw it, the relay), the app's CPU
-time per answer, and vLLM's own histograms (queue, prefill, TTFT) over the arm.
+time (all its processes, and its event loop's thread alone), the clients' own CPU time (one event loop here: if
+it nears the arm's wall time, the clients, not the app, set the pace), and vLLM's own histograms (queue,
+prefill, TTFT) over the arm.
 """
 
 from __future__ import annotations
@@ -36,7 +38,15 @@ from bench.closed_loop import Arms, closed_loop
 from bench.common import command_line, environment, write_json
 from bench.datasets import load_dataset, sample
 from bench.fleet import Fleet
-from bench.load_report import APP_ENV_DEFAULTS, cpu_seconds, engine_figures, plot_throughput, sample_stats, summary
+from bench.load_report import (
+    APP_ENV_DEFAULTS,
+    cpu_seconds,
+    engine_figures,
+    loop_cpu_seconds,
+    plot_throughput,
+    sample_stats,
+    summary,
+)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -178,14 +188,18 @@ async def one_arm(arm: str, arms: Arms, fleet: Fleet, questions: list[str], capt
         send = arms.prefixrag if arm == "prefixrag" else arms.naive
         one = lambda question: send(question, max_tokens, streamed)  # noqa: E731
     captured_before = len(capture.read_text().splitlines()) if capture.exists() else 0
-    before, cpu_before = await fleet.metrics(), cpu_seconds(app_pid)
+    before, cpu_before, loop_before = await fleet.metrics(), cpu_seconds(app_pid), loop_cpu_seconds(app_pid)
+    client_before = time.thread_time()
     samples, wall_s = await closed_loop(concurrency, items, one, duration_s)
-    after, cpu_after = await fleet.metrics(), cpu_seconds(app_pid)
+    client_s = time.thread_time() - client_before  # this process's loop: near wall_s, the clients set the pace
+    after, cpu_after, loop_after = await fleet.metrics(), cpu_seconds(app_pid), loop_cpu_seconds(app_pid)
     if arm == "prefixrag":
         arms.captured = len(capture.read_text().splitlines()) - captured_before if capture.exists() else 0
     row = {"arm": arm, "concurrency": concurrency, "max_tokens": max_tokens, "streamed": streamed}
-    row |= engine_figures(before, after) | {"app_cpu_s": round(cpu_after - cpu_before, 3) if arm == "prefixrag"
-                                            else None}
+    mine = arm == "prefixrag"
+    row |= engine_figures(before, after) | {"app_cpu_s": round(cpu_after - cpu_before, 3) if mine else None,
+                                            "loop_cpu_s": round(loop_after - loop_before, 3) if mine else None,
+                                            "client_cpu_s": round(client_s, 3)}
     return row | sample_stats(samples, wall_s)
 
 
