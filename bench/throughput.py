@@ -11,9 +11,9 @@ Each cell (concurrency x answer length x streamed or not) takes a fresh slice of
 same slice for every arm, so no arm finds a question the app has already answered. Per arm it reports answers/s,
 TTFT p50/p95/p99 (streamed: the first answer text; not streamed: the whole answer), and for the app the time its
 stages took (retrieval, building the prompt, vLLM's first token as the app saw it, the relay), the app's CPU
-time (all its processes, and its event loop's thread alone), the clients' own CPU time (one event loop here: if
-it nears the arm's wall time, the clients, not the app, set the pace), and vLLM's own histograms (queue,
-prefill, TTFT) over the arm.
+time (all its processes, and its event loop's thread alone), the clients' own CPU time (they run in processes of
+at most 32 clients, ``bench.client_processes``; the busiest one's share of its time says whether the clients, not
+the app, set the pace), and vLLM's own histograms (queue, prefill, TTFT) over the arm.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.closed_loop import Arms, closed_loop
+from bench.client_processes import ArmSpec, spread_loop
 from bench.common import command_line, environment, write_json
 from bench.datasets import load_dataset, sample
 from bench.fleet import Fleet
@@ -140,21 +140,15 @@ async def warmed(url: str, timeout_s: float = 1800) -> dict:
 
 async def measure(args: argparse.Namespace, dataset, app_url: str, vllm_url: str, capture: Path,
                   app_pid: int) -> list[dict]:
-    from concurrent.futures import ThreadPoolExecutor
-
-    from app.core.embedder import Embedder
-    from app.core.settings import Settings, VLLMSettings
-    from app.rag.retriever import Retriever
+    from app.core.settings import VLLMSettings
     from app.vllm.client import LLMClient
 
-    settings = Settings(_env_file=None)
-    settings.chroma.path, settings.chroma.collection = args.chroma, f"bench-{dataset.name}"[:60]
-    retriever = Retriever.over(Embedder(settings.embedding).load(), settings.chroma, ThreadPoolExecutor(4))
     llm = LLMClient(VLLMSettings(url=vllm_url))
-    llm.use_model((await llm.list_models())[0]["id"])
-    arms, fleet = Arms(app_url, vllm_url, llm, retriever, args.top_k), await Fleet.discover(vllm_url)
+    model = (await llm.list_models())[0]["id"]
+    await llm.aclose()
+    fleet = await Fleet.discover(vllm_url)
     questions = [q.text for q in sample(dataset.questions, len(dataset.questions), args.seed)]
-    cells, used = [], 0
+    cells, used, captured = [], 0, 0
     grid = product(map(int, args.max_tokens.split(",")), [s == "yes" for s in args.streamed.split(",")],
                    map(int, args.concurrency.split(",")))
     try:
@@ -163,44 +157,43 @@ async def measure(args: argparse.Namespace, dataset, app_url: str, vllm_url: str
             chosen = [questions[(used + i) % len(questions)] for i in range(count)]
             used += count
             for arm in args.arms.split(","):
+                spec = ArmSpec(arm, app_url, vllm_url, model, args.chroma, f"bench-{dataset.name}"[:60], args.top_k,
+                               max_tokens, streamed)
                 with profiled(args.profile if arm == "prefixrag" else None, app_pid,
                               f"c{concurrency}-t{max_tokens}-{'stream' if streamed else 'whole'}"):
-                    cells.append(await one_arm(arm, arms, fleet, chosen, capture, app_pid, args.duration_s,
-                                               concurrency, max_tokens, streamed))
-                print(json.dumps({k: cells[-1][k] for k in ("arm", "concurrency", "max_tokens", "streamed",
-                                                           "answers_per_s", "ttft_ms")}), flush=True)
+                    row, captured = await one_arm(spec, fleet, chosen, capture, captured, app_pid, args.duration_s,
+                                                  concurrency)
+                cells.append(row)
+                print(json.dumps({k: row[k] for k in ("arm", "concurrency", "max_tokens", "streamed",
+                                                      "answers_per_s", "ttft_ms")}), flush=True)
     finally:
-        await arms.aclose()
         await fleet.aclose()
-        await llm.aclose()
-        retriever.index.close()
     return cells
 
 
-async def one_arm(arm: str, arms: Arms, fleet: Fleet, questions: list[str], capture: Path, app_pid: int,
-                  duration_s: float, concurrency: int, max_tokens: int, streamed: bool) -> dict:
-    if arm == "replay":  # what the app sent in this cell's prefixrag arm, in the order it sent it
-        lines = capture.read_text().splitlines()[-arms.captured:] if arms.captured else []
-        items: list = [json.loads(line) for line in lines]
-        one = lambda captured: arms.replay(captured, streamed)  # noqa: E731
-    else:
-        items = questions
-        send = arms.prefixrag if arm == "prefixrag" else arms.naive
-        one = lambda question: send(question, max_tokens, streamed)  # noqa: E731
+async def one_arm(spec: ArmSpec, fleet: Fleet, questions: list[str], capture: Path, captured: int, app_pid: int,
+                  duration_s: float, concurrency: int) -> tuple[dict, int]:
+    """One arm of a cell, and how many requests the app sent in it (prefixrag; else ``captured`` as given: the
+    replay arm sends the last prefixrag arm's requests, in the order the app sent them)."""
+    items: list = questions
+    if spec.arm == "replay":
+        lines = capture.read_text().splitlines()[-captured:] if captured else []
+        items = [json.loads(line) for line in lines]
     captured_before = len(capture.read_text().splitlines()) if capture.exists() else 0
     before, cpu_before, loop_before = await fleet.metrics(), cpu_seconds(app_pid), loop_cpu_seconds(app_pid)
-    client_before = time.thread_time()
-    samples, wall_s = await closed_loop(concurrency, items, one, duration_s)
-    client_s = time.thread_time() - client_before  # this process's loop: near wall_s, the clients set the pace
+    samples, wall_s, shares = await spread_loop(spec, concurrency, items, duration_s)
     after, cpu_after, loop_after = await fleet.metrics(), cpu_seconds(app_pid), loop_cpu_seconds(app_pid)
-    if arm == "prefixrag":
-        arms.captured = len(capture.read_text().splitlines()) - captured_before if capture.exists() else 0
-    row = {"arm": arm, "concurrency": concurrency, "max_tokens": max_tokens, "streamed": streamed}
-    mine = arm == "prefixrag"
-    row |= engine_figures(before, after) | {"app_cpu_s": round(cpu_after - cpu_before, 3) if mine else None,
-                                            "loop_cpu_s": round(loop_after - loop_before, 3) if mine else None,
-                                            "client_cpu_s": round(client_s, 3)}
-    return row | sample_stats(samples, wall_s)
+    mine = spec.arm == "prefixrag"
+    if mine:
+        captured = len(capture.read_text().splitlines()) - captured_before if capture.exists() else 0
+    row = {"arm": spec.arm, "concurrency": concurrency, "max_tokens": spec.max_tokens, "streamed": spec.streamed}
+    row |= engine_figures(before, after) | {
+        "app_cpu_s": round(cpu_after - cpu_before, 3) if mine else None,
+        "loop_cpu_s": round(loop_after - loop_before, 3) if mine else None,
+        # The clients' processes: each one's loop busy for most of its time would mean the clients set the pace.
+        "client_processes": len(shares), "client_cpu_s": round(sum(s.cpu_s for s in shares), 3),
+        "client_busiest": round(max(s.cpu_s / max(s.ended - s.started, 1e-9) for s in shares), 2)}
+    return row | sample_stats(samples, wall_s), captured
 
 
 @contextlib.contextmanager
