@@ -78,13 +78,16 @@ def build(tokens: int, max_model_len: int, kv_tokens: int) -> web.Application:
         await response.write(b"data: [DONE]\n\n")
         return response
 
+    async def health(_: web.Request) -> web.Response:
+        return web.Response(text="")
+
     async def missing(_: web.Request) -> web.Response:
         return web.json_response({"error": {"message": "not served"}}, status=404)
 
     app = web.Application()
     app.add_routes([web.get("/v1/models", models), web.get("/metrics", metrics), web.post("/tokenize", tokenize),
                     web.post("/v1/chat/completions", generate), web.post("/v1/completions", generate),
-                    web.get("/health", lambda _: web.Response(text="")), web.get("/tokenizer_info", missing)])
+                    web.get("/health", health), web.get("/tokenizer_info", missing)])
     return app
 
 
