@@ -158,5 +158,5 @@ def admission(limits: TrafficSettings) -> LiveTraffic:
     if limits.max_in_flight != "auto":
         return LiveTraffic(limits.max_in_flight, limits.max_queued)
     auto = AutoLimit(limits.auto_min_in_flight, limits.auto_max_in_flight, fresh_s=4 * limits.load_interval_s,
-                     wait_s=2 * limits.load_interval_s)
+                     wait_s=2 * limits.load_interval_s, full_s=10 * limits.load_interval_s)
     return LiveTraffic(auto.low, limits.max_queued, auto)

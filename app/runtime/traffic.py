@@ -48,6 +48,7 @@ class AutoLimit:
     high: int
     fresh_s: float  # a reading of vLLM's queue older than this says nothing about room now
     wait_s: float = 0.0  # how long a request beyond the limit may wait for a reading that shows room
+    full_s: float = 0.0  # this long after vLLM last queued, the limit is what it can serve: beyond it, refuse at once
 
 
 class LiveTraffic:
@@ -64,6 +65,7 @@ class LiveTraffic:
         self._room_until = 0.0  # vLLM queued nothing at its last reading, which counts until then
         self._growth = 0  # places the limit may still grow by before vLLM's queue is read again
         self._queueing = False  # vLLM's last reading showed requests waiting in its queue
+        self._queued_at = -math.inf  # when a reading last showed requests waiting in vLLM's queue (monotonic s)
         self._cut_at: float | None = None  # stopping: when requests still running are ended (monotonic s)
         self._changed = asyncio.Event()  # set (and replaced) at each reading of vLLM's queue and each freed place
 
@@ -98,7 +100,7 @@ class LiveTraffic:
             return
         self._queueing = waiting > 0
         if self._queueing:
-            self._room_until, self._growth = 0.0, 0
+            self._queued_at, self._room_until, self._growth = time.monotonic(), 0.0, 0
             self._set_limit(max(self.auto.low, min(self.max_in_flight, self.running - int(waiting))))
         else:
             self._room_until, self._growth = time.monotonic() + self.auto.fresh_s, self._room(kv_usage)
@@ -116,9 +118,7 @@ class LiveTraffic:
         """Hold one user slot for the body's duration; raise ``Overloaded`` when none is left (at once, or with
         ``auto`` once a reading of vLLM's queue shows no room)."""
         if not await self._admissible():
-            self.refused += 1
-            raise Overloaded(f"the service is at capacity ({self.max_in_flight} requests in flight, "
-                             f"{self.max_queued} queued); retry later", retry_after_s=self.retry_after_s())
+            raise self._refusal()
         self._arrive()
         try:
             await self._take_place()
@@ -137,12 +137,32 @@ class LiveTraffic:
         reading stale, and refusing it would send clients away for a whole second of Retry-After."""
         deadline = time.monotonic() + (self.auto.wait_s if self.auto is not None else 0.0)
         while self.present >= self.max_in_flight + self.max_queued and not self._grow():
-            left = deadline - time.monotonic()
-            if self._queueing or left <= 0 or self.auto is None or self.max_in_flight >= self.auto.high:
-                return False  # vLLM queues, the wait is over, or the limit cannot grow: refused at once
+            if self._full() or deadline - time.monotonic() <= 0:
+                return False  # vLLM queues (or did just now), the limit cannot grow, or the wait is over
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._changed.wait(), left)
+                await asyncio.wait_for(self._changed.wait(), deadline - time.monotonic())
         return True
+
+    def refuses_now(self) -> Overloaded | None:
+        """For the request edge, before a body is read: the refusal of a request that would be refused at once
+        now (counted), else None. Under a retry storm a refusal then costs no parsing, no routing and no
+        validation, so it comes back at once and leaves the event loop to the requests admitted."""
+        if self.present < self.max_in_flight + self.max_queued or self._can_grow() or not self._full():
+            return None
+        return self._refusal()
+
+    def _refusal(self) -> Overloaded:
+        self.refused += 1
+        return Overloaded(f"the service is at capacity ({self.max_in_flight} requests in flight, "
+                          f"{self.max_queued} queued); retry later", retry_after_s=self.retry_after_s())
+
+    def _full(self) -> bool:
+        """Beyond the limit nothing is worth waiting for: fixed limits, vLLM queueing or having queued within
+        ``full_s`` (it runs what it can: a storm at that level is refused at once, not after ``wait_s``), or the
+        limit at its top."""
+        auto = self.auto
+        return (auto is None or self._queueing or time.monotonic() - self._queued_at < auto.full_s
+                or self.max_in_flight >= auto.high)
 
     def _signal(self) -> None:
         self._changed.set()
@@ -150,13 +170,16 @@ class LiveTraffic:
 
     def _grow(self) -> bool:
         """With ``auto``: one more place, while vLLM's last reading showed room and this reading's growth lasts."""
-        if self.auto is None or self._growth <= 0 or time.monotonic() > self._room_until:
-            return False
-        if self.max_in_flight >= self.auto.high:
+        if not self._can_grow():
             return False
         self._growth -= 1
         self._set_limit(self.max_in_flight + 1)
         return True
+
+    def _can_grow(self) -> bool:
+        auto = self.auto
+        return (auto is not None and self._growth > 0 and time.monotonic() <= self._room_until
+                and self.max_in_flight < auto.high)
 
     def _set_limit(self, limit: int) -> None:
         self.max_in_flight = limit

@@ -141,3 +141,17 @@ async def test_the_wait_for_a_reading_is_bounded_and_a_freed_place_ends_it():
     release.set()  # the first leaves: the second takes its place without any reading
     await asyncio.wait_for(asyncio.gather(first, second), 1)
     assert traffic.refused == 0 and traffic.max_in_flight == 1
+
+
+async def test_soon_after_vllm_queued_a_request_beyond_the_limit_is_refused_at_once_and_the_edge_says_so():
+    traffic = LiveTraffic(2, 0, AutoLimit(low=2, high=100, fresh_s=60, wait_s=30, full_s=60))
+    async with contextlib.AsyncExitStack() as stack:
+        await hold(traffic, 2, stack)
+        assert traffic.refuses_now() is None  # at the limit, vLLM never seen queueing: it would wait for a reading
+        traffic.engine_queue(1)
+        traffic.engine_queue(0, kv_usage=0.99)  # vLLM's queue emptied: the limit may double, no more
+        await hold(traffic, 2, stack)
+        with pytest.raises(Overloaded):  # not after wait_s: vLLM was full a moment ago
+            await asyncio.wait_for(stack.enter_async_context(traffic.slot()), 1)
+        refusal = traffic.refuses_now()
+        assert refusal is not None and refusal.retry_after_s >= 1 and traffic.refused == 2
