@@ -1,5 +1,6 @@
 """The request edge, before any route runs: a request that carries a body is authenticated first and its body
-is read only up to a limit, so a keyless or oversized upload costs neither memory nor parsing.
+is read only up to a limit, so a keyless or oversized upload costs neither memory nor parsing; a question the
+service is too busy to admit is refused here (429 + Retry-After) before its body is read at all.
 
 Pure ASGI (no BaseHTTPMiddleware): the body is never buffered here, only counted as it streams through.
 """
@@ -13,9 +14,12 @@ from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from app.core.errors import Overloaded
+from app.serve.http_errors import error_response
 from app.serve.protocol import error_body
 
 BODYLESS = frozenset({"GET", "HEAD", "OPTIONS", "DELETE"})
+ADMITTED = frozenset({"/ask", "/v1/chat/completions"})  # the routes that take a place of admission
 
 
 def key_matches(token: str, expected: str) -> bool:
@@ -38,6 +42,12 @@ def too_large(limit: int) -> HTTPException:
     return HTTPException(413, f"request body over the limit of {limit} bytes (RAG_SERVICE__MAX_BODY_BYTES)")
 
 
+def overloaded(scope: Scope) -> Overloaded | None:
+    """The refusal of a question arriving now, when admission would refuse it at once (``refuses_now``)."""
+    services = getattr(scope["app"].state, "services", None)  # absent until the lifespan has built them
+    return services.traffic.refuses_now() if services is not None else None
+
+
 class RequestEdge:
     def __init__(self, app: ASGIApp, *, max_body_bytes: int, api_key: str | None) -> None:
         self.app, self.max_body_bytes, self.api_key = app, max_body_bytes, api_key
@@ -53,6 +63,9 @@ class RequestEdge:
         declared = headers.get("content-length", "")
         if declared.isdigit() and int(declared) > self.max_body_bytes:
             await self._refuse(scope, receive, send)
+            return
+        if scope["path"] in ADMITTED and (refused := overloaded(scope)) is not None:
+            await error_response(refused)(scope, receive, send)
             return
         await self.app(scope, self._counted(receive), send)
 

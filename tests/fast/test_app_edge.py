@@ -1,7 +1,13 @@
 """The fast tier, the HTTP surface against the fake vLLM: settings that fail at start, the API key in the schema
-and at the door, server-sent events for /ask and the openai client, CORS from a real browser."""
+and at the door, a question beyond capacity refused there, server-sent events for /ask and the openai client,
+CORS from a real browser."""
 
 from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
@@ -64,6 +70,43 @@ def test_the_api_key_is_a_bearer_scheme_in_the_openapi_schema_and_is_enforced(no
     assert "security" not in schema["paths"]["/healthz"]["get"]
     assert statuses == [401, 401, 401, 200] and posted == [401, 200]
     assert set(ready_open) == {"ready", "reason"} and "warmup" in ready_keyed
+
+
+class GatedVLLM(FakeVLLM):
+    """Answers only once ``gate`` is set: its requests hold their places of admission until then."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = threading.Event()
+
+    async def stream_chat(self, request, result, prompt_ids=None):
+        while not self.gate.is_set():
+            await asyncio.sleep(0.01)
+        async for delta in super().stream_chat(request, result, prompt_ids):
+            yield delta
+
+
+def test_a_question_beyond_capacity_is_refused_at_the_edge_before_its_body_is_read(notes, embedder):
+    chroma, _, _ = notes
+    llm = GatedVLLM()
+    settings = app_settings(chroma, "http://unused/v1", collection="notes", hotness_dir=None)
+    settings.traffic.max_in_flight = 1
+    broken = {"content": b'{"question": "What?", ', "headers": {"content-type": "application/json"}, "timeout": 30}
+    with AppServer(create_app(settings, embedder=embedder, llm=llm)) as server, ThreadPoolExecutor(1) as pool:
+        server.wait_ready()
+        traffic = server.app.state.services.traffic
+        held = pool.submit(ask, server, question="What?")  # takes the one place, and keeps it while gated
+        deadline = time.monotonic() + 10
+        while traffic.present == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        refused = [httpx.post(server.url + "/ask", **broken), httpx.post(server.url + "/v1/chat/completions", **broken)]
+        llm.gate.set()
+        answered = held.result(timeout=30)
+        unparsed = httpx.post(server.url + "/ask", **broken)  # with room: the same body is read, and is bad JSON
+    assert [r.status_code for r in refused] == [429, 429] and answered.status_code == 200
+    assert all(int(r.headers["retry-after"]) >= 1 and r.json()["error"]["code"] == "overloaded" for r in refused)
+    assert unparsed.status_code == 400 and unparsed.json()["error"]["code"] == "invalid_json"
+    assert traffic.refused == 2
 
 
 def test_streams_are_server_sent_events_for_ask_and_for_the_openai_client(notes, embedder):
