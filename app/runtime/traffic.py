@@ -66,6 +66,7 @@ class LiveTraffic:
         self._growth = 0  # places the limit may still grow by before vLLM's queue is read again
         self._queueing = False  # vLLM's last reading showed requests waiting in its queue
         self._queued_at = -math.inf  # when a reading last showed requests waiting in vLLM's queue (monotonic s)
+        self._refused_at = -math.inf  # when a request was last refused (monotonic s)
         self._cut_at: float | None = None  # stopping: when requests still running are ended (monotonic s)
         self._changed = asyncio.Event()  # set (and replaced) at each reading of vLLM's queue and each freed place
 
@@ -86,7 +87,8 @@ class LiveTraffic:
 
     @property
     def queued(self) -> int:
-        return max(0, self.present - self.max_in_flight)
+        """Admitted requests waiting for a place (the limit may have come down below those running)."""
+        return self.present - self.running
 
     def status(self) -> TrafficStatus:
         return TrafficStatus(self.present, self.max_in_flight, self.max_queued, self.refused, self.yields,
@@ -152,17 +154,18 @@ class LiveTraffic:
         return self._refusal()
 
     def _refusal(self) -> Overloaded:
-        self.refused += 1
+        self.refused, self._refused_at = self.refused + 1, time.monotonic()
         return Overloaded(f"the service is at capacity ({self.max_in_flight} requests in flight, "
                           f"{self.max_queued} queued); retry later", retry_after_s=self.retry_after_s())
 
     def _full(self) -> bool:
-        """Beyond the limit nothing is worth waiting for: fixed limits, vLLM queueing or having queued within
-        ``full_s`` (it runs what it can: a storm at that level is refused at once, not after ``wait_s``), or the
-        limit at its top."""
+        """Beyond the limit nothing is worth waiting for: fixed limits; vLLM queueing, or having queued or a
+        request having been refused within ``full_s`` (the load is sustained, not a burst after a quiet spell:
+        it is refused at once, not after ``wait_s``); or the limit at its top."""
         auto = self.auto
-        return (auto is None or self._queueing or time.monotonic() - self._queued_at < auto.full_s
-                or self.max_in_flight >= auto.high)
+        if auto is None or self._queueing or self.max_in_flight >= auto.high:
+            return True
+        return time.monotonic() - max(self._queued_at, self._refused_at) < auto.full_s
 
     def _signal(self) -> None:
         self._changed.set()

@@ -155,3 +155,16 @@ async def test_soon_after_vllm_queued_a_request_beyond_the_limit_is_refused_at_o
             await asyncio.wait_for(stack.enter_async_context(traffic.slot()), 1)
         refusal = traffic.refuses_now()
         assert refusal is not None and refusal.retry_after_s >= 1 and traffic.refused == 2
+
+
+async def test_after_a_refusal_the_next_request_beyond_the_limit_is_refused_at_once_not_after_the_wait():
+    traffic = LiveTraffic(1, 0, AutoLimit(low=1, high=100, fresh_s=60, wait_s=0.3, full_s=60))
+    async with contextlib.AsyncExitStack() as stack:
+        await hold(traffic, 1, stack)
+        started = asyncio.get_running_loop().time()
+        with pytest.raises(Overloaded):  # a burst after a quiet spell: it waited for a reading that never came
+            await stack.enter_async_context(traffic.slot())
+        waited = asyncio.get_running_loop().time() - started
+        with pytest.raises(Overloaded):  # the load is sustained: refused at once
+            await asyncio.wait_for(stack.enter_async_context(traffic.slot()), 0.1)
+        assert waited >= 0.3 and traffic.refuses_now() is not None and traffic.refused == 3
