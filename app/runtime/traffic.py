@@ -20,6 +20,7 @@ from typing import TypeVar
 
 from app.core.errors import Overloaded
 from app.rag.index import BACKGROUND
+from app.runtime.returns import Returns
 
 T = TypeVar("T")
 MAX_RETRY_AFTER_S = 60
@@ -68,6 +69,7 @@ class LiveTraffic:
         self._queued_at = -math.inf  # when a reading last showed requests waiting in vLLM's queue (monotonic s)
         self._refused_at = -math.inf  # when a request was last refused (monotonic s)
         self._cut_at: float | None = None  # stopping: when requests still running are ended (monotonic s)
+        self.returns = Returns()  # refused connections, and when each was told to come back
         self._changed = asyncio.Event()  # set (and replaced) at each reading of vLLM's queue and each freed place
 
     def drain(self, seconds: float) -> None:
@@ -119,11 +121,13 @@ class LiveTraffic:
     async def slot(self) -> AsyncIterator[None]:
         """Hold one user slot for the body's duration; raise ``Overloaded`` when none is left (at once, or with
         ``auto`` once a reading of vLLM's queue shows no room)."""
-        if not await self._admissible():
+        admissible = await self._admissible()
+        hold_s = 0.0 if admissible else self.returns.hold_s()  # came back when told: may wait for a place freed
+        if not admissible and not hold_s:
             raise self._refusal()
         self._arrive()
         try:
-            await self._take_place()
+            await self._take_place(hold_s)
             started = time.monotonic()
             try:
                 yield
@@ -149,14 +153,17 @@ class LiveTraffic:
         """For the request edge, before a body is read: the refusal of a request that would be refused at once
         now (counted), else None. Under a retry storm a refusal then costs no parsing, no routing and no
         validation, so it comes back at once and leaves the event loop to the requests admitted."""
-        if self.present < self.max_in_flight + self.max_queued or self._can_grow() or not self._full():
+        if (self.present < self.max_in_flight + self.max_queued or self._can_grow() or not self._full()
+                or self.returns.on_time()):
             return None
         return self._refusal()
 
     def _refusal(self) -> Overloaded:
         self.refused, self._refused_at = self.refused + 1, time.monotonic()
+        retry_after = self.retry_after_s()
+        self.returns.promise(retry_after)
         return Overloaded(f"the service is at capacity ({self.max_in_flight} requests in flight, "
-                          f"{self.max_queued} queued); retry later", retry_after_s=self.retry_after_s())
+                          f"{self.max_queued} queued); retry later", retry_after_s=retry_after)
 
     def _full(self) -> bool:
         """Beyond the limit nothing is worth waiting for: fixed limits; vLLM queueing, or having queued or a
@@ -193,14 +200,24 @@ class LiveTraffic:
             self.running += 1
             place.set_result(None)
 
-    async def _take_place(self) -> None:
+    async def _take_place(self, hold_s: float = 0.0) -> None:
+        """A place now, or the next one freed; ``hold_s``: a request beyond the limit and the queue (it came back
+        when told) waits at most this long, then is refused."""
         if self.running < self.max_in_flight and not self._waiting:
             self.running += 1
             return
         place = asyncio.get_running_loop().create_future()
         self._waiting.append(place)
         try:
-            await place
+            if hold_s:
+                await asyncio.wait_for(asyncio.shield(place), hold_s)
+            else:
+                await place
+        except TimeoutError:
+            if place.done():  # given a place just as the wait ended: keep it
+                return
+            self._waiting.remove(place)
+            raise self._refusal() from None
         except asyncio.CancelledError:
             if place.done() and not place.cancelled():
                 self._free_place()  # given a place just as it was cancelled: hand it on

@@ -15,6 +15,7 @@ from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.core.errors import Overloaded
+from app.runtime.returns import CLIENT
 from app.serve.http_errors import error_response
 from app.serve.protocol import error_body
 
@@ -64,9 +65,12 @@ class RequestEdge:
         if declared.isdigit() and int(declared) > self.max_body_bytes:
             await self._refuse(scope, receive, send)
             return
-        if scope["path"] in ADMITTED and (refused := overloaded(scope)) is not None:
-            await error_response(refused)(scope, receive, send)
-            return
+        if scope["path"] in ADMITTED:
+            client = scope.get("client")
+            CLIENT.set(f"{client[0]}:{client[1]}" if client else None)  # a refusal's promise is to this connection
+            if (refused := overloaded(scope)) is not None:
+                await error_response(refused)(scope, receive, send)
+                return
         await self.app(scope, self._counted(receive), send)
 
     def _counted(self, receive: Receive) -> Receive:

@@ -168,3 +168,36 @@ async def test_after_a_refusal_the_next_request_beyond_the_limit_is_refused_at_o
         with pytest.raises(Overloaded):  # the load is sustained: refused at once
             await asyncio.wait_for(stack.enter_async_context(traffic.slot()), 0.1)
         assert waited >= 0.3 and traffic.refuses_now() is not None and traffic.refused == 3
+
+
+async def test_a_client_that_comes_back_when_told_waits_for_the_next_place_and_one_that_storms_is_refused():
+    from app.runtime.returns import CLIENT
+
+    traffic, release = LiveTraffic(1, 0), asyncio.Event()
+    holder = asyncio.create_task(held_until(traffic, release))
+    await asyncio.sleep(0.01)
+
+    async def ask(client: str) -> str:
+        CLIENT.set(client)
+        try:
+            async with traffic.slot():
+                return "admitted"
+        except Overloaded as refusal:
+            return f"429 after {refusal.retry_after_s}"
+
+    async def storm(client: str, until: float) -> list[str]:
+        seen = []
+        while asyncio.get_running_loop().time() < until:
+            seen.append(await ask(client))
+            await asyncio.sleep(0.05)  # never waits its Retry-After
+        return seen
+
+    assert await ask("10.0.0.1:1") == "429 after 1" and await ask("10.0.0.2:2") == "429 after 1"
+    stormed = asyncio.create_task(storm("10.0.0.2:2", asyncio.get_running_loop().time() + 1.4))
+    await asyncio.sleep(1.05)  # the first client waits the second it was told
+    returned = asyncio.create_task(ask("10.0.0.1:1"))
+    # Early every time, the storm's time starts over: it is refused, before and after its first second was up.
+    assert all(seen.startswith("429") for seen in await stormed) and not returned.done()
+    release.set()  # the place freed goes to the client that waited, not to whoever asks first
+    assert await returned == "admitted"
+    await holder

@@ -1,0 +1,51 @@
+"""Clients that come back when told. A 429's ``Retry-After`` is a promise to the connection it was sent on: a request
+on that connection after the promised time is a client that obeyed, and it may wait (briefly) for the next place
+freed instead of being refused again; one that comes back early, as a retry storm does, is refused at once and told
+again, its time starting over (so it never comes back "on time"). Without this, a place freed goes to whichever
+request comes first, and clients that never wait always come first.
+
+The connection (client address and port, set by the request edge) is the only identity a refusal can be tied to
+without one from the client; through a proxy that pools connections a return may be credited to another of its
+users, who then only waits for a place rather than being refused."""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from contextvars import ContextVar
+
+CLIENT: ContextVar[str | None] = ContextVar("prefixrag_client", default=None)  # this request's connection
+MAX_HOLD_S = 5.0  # a client that came back when told waits at most this long for a place
+REMEMBERED = 10_000  # promises kept at most (the oldest forgotten first)
+
+
+class Returns:
+    def __init__(self) -> None:
+        self._due: OrderedDict[str, float] = OrderedDict()  # connection -> when its retry is welcome (monotonic s)
+
+    def promise(self, retry_after_s: float) -> None:
+        """This request's connection was refused and told to come back in ``retry_after_s`` (from now: an
+        earlier promise it did not wait for is replaced)."""
+        key = CLIENT.get()
+        if key is None:
+            return
+        self._due.pop(key, None)
+        self._due[key] = time.monotonic() + retry_after_s
+        while len(self._due) > REMEMBERED:
+            self._due.popitem(last=False)
+
+    def on_time(self) -> bool:
+        """Does this request come back on its connection no earlier than it was told?"""
+        key = CLIENT.get()
+        due = self._due.get(key) if key is not None else None
+        return due is not None and time.monotonic() >= due
+
+    def hold_s(self) -> float:
+        """How long this request may wait for a place: up to ``MAX_HOLD_S`` if it came back on time (its
+        promise is then spent), else 0."""
+        if not self.on_time():
+            return 0.0
+        key = CLIENT.get()
+        assert key is not None
+        self._due.pop(key)
+        return MAX_HOLD_S
