@@ -125,9 +125,9 @@ class Pipeline:
         fit the budget, generate."""
         served = info()
         clock = Clock(talk.received_at)
+        budget = self._budget(served.max_model_len, talk.max_tokens)  # a max_tokens beyond the window: no retrieval
         retrieved = [await self._retrieve_cached(q, talk.top_k, talk.source_prefix) for q in talk.questions]
         clock.mark("retrieve")
-        budget = self._budget(served.max_model_len, talk.max_tokens)
         first = await self._first_context(talk, retrieved[0], budget)
         plan = Plan(list(talk.turns), new_context_per_turn(first, retrieved[1:]))
         messages, kept = await fit_conversation(plan, self.builder, self.llm, talk.system, budget, self.estimator)
