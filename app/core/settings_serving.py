@@ -171,7 +171,8 @@ class TrafficSettings(BaseModel):
         "auto", description="User requests in the pipeline (retrieval + vLLM) at once, per app process; beyond it "
         "(and max_queued) a request gets 429 + Retry-After. 'auto': start at auto_min_in_flight and follow vLLM: "
         "more while vLLM runs every request it is sent (as many as its free KV cache holds), back to what it runs "
-        "once it queues requests; beyond it, a request waits up to two load intervals for room before a 429.")
+        "once it queues requests; beyond it, a request waits up to two load intervals for room before a 429, unless "
+        "the load is sustained (vLLM queued or a request was refused in the last ten): then the 429 comes at once.")
     auto_min_in_flight: int = Field(8, ge=1, description="With max_in_flight=auto: the limit it starts at and "
                                     "never goes below.")
     auto_max_in_flight: int = Field(1024, ge=1, description="With max_in_flight=auto: the limit never goes above.")
