@@ -120,7 +120,8 @@ class LiveTraffic:
     @contextlib.asynccontextmanager
     async def slot(self) -> AsyncIterator[None]:
         """Hold one user slot for the body's duration; raise ``Overloaded`` when none is left (at once, or with
-        ``auto`` once a reading of vLLM's queue shows no room)."""
+        ``auto`` once a reading of vLLM's queue shows no room); a request that came back when its Retry-After
+        said (``Returns``) waits for the next place freed instead, for a while."""
         admissible = await self._admissible()
         hold_s = 0.0 if admissible else self.returns.hold_s()  # came back when told: may wait for a place freed
         if not admissible and not hold_s:
@@ -207,7 +208,10 @@ class LiveTraffic:
             self.running += 1
             return
         place = asyncio.get_running_loop().create_future()
-        self._waiting.append(place)
+        if hold_s:
+            self._waiting.appendleft(place)  # it waited once already: the next place freed is its
+        else:
+            self._waiting.append(place)
         try:
             if hold_s:
                 await asyncio.wait_for(asyncio.shield(place), hold_s)
