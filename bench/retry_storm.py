@@ -5,6 +5,8 @@ settings) against the CPU test model (or ``--vllm-url``), over a QA dataset's pa
 - ``--obeying`` clients that wait each 429's ``Retry-After`` before asking again, as a well-behaved client does;
 - ``/healthz`` probed every 100 ms from a process of its own.
 
+Every client has a connection of its own, kept open, as separate users' clients do.
+
 The clients run at vLLM's nice (+5, as ``bench.live_traffic``'s), the app and the probe at 0: on this machine the
 clients share the app's two cores, and remote clients would not.
 
@@ -129,12 +131,16 @@ async def storm(url: str, questions: list[str], args: argparse.Namespace, app_pi
     stormy, obeying = Tally(), Tally()
     deadline = time.monotonic() + args.duration_s
     loop_before, clients_before = loop_cpu_seconds(app_pid), time.thread_time()
-    limits = httpx.Limits(max_connections=args.storm + args.obeying)
-    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as http:
-        await asyncio.gather(
-            *(client(http, questions, stormy, False, deadline, args.max_tokens, i) for i in range(args.storm)),
-            *(client(http, questions, obeying, True, deadline, args.max_tokens, 1000 + i)
-              for i in range(args.obeying)))
+    # Each client its own connection, kept open (HTTP/1.1 keep-alive), as separate users' clients have.
+    def connection() -> httpx.AsyncClient:
+        return httpx.AsyncClient(base_url=url, timeout=600, limits=httpx.Limits(max_connections=1))
+
+    async def one(obeys: bool, seed: int) -> None:
+        async with connection() as http:
+            await client(http, questions, obeying if obeys else stormy, obeys, deadline, args.max_tokens, seed)
+
+    await asyncio.gather(*(one(False, i) for i in range(args.storm)),
+                         *(one(True, 1000 + i) for i in range(args.obeying)))
     health = json.loads((await probe.communicate())[0])
     probed = Tally()
     for status, ms in json.loads((await refusals.communicate())[0]):
