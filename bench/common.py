@@ -28,6 +28,13 @@ def add_stream_args(parser: argparse.ArgumentParser, *, questions: int, concurre
     parser.add_argument("--max-tokens", type=int, default=16, help="answer tokens per request")
 
 
+def add_app_stack_args(parser: argparse.ArgumentParser) -> None:
+    """The options of a benchmark that starts the app as users do over a QA dataset: its data, its store, vLLM."""
+    parser.add_argument("--data", type=Path, required=True, help="QA dataset folder (SQuAD/TAT-QA or BEIR layout)")
+    parser.add_argument("--chroma", type=Path, default=Path("data/bench-throughput"), help="on-disk store (re-used)")
+    parser.add_argument("--vllm-url", help="a running vLLM (default: start the CPU test model, 8192 window)")
+
+
 def environment() -> dict:
     def version(module: str) -> str | None:
         try:

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.common import command_line, environment, write_json
+from bench.common import add_app_stack_args, command_line, environment, write_json
 from bench.datasets import load_dataset, sample
 from bench.live_load import HEALTH_PROBE, renice
 from bench.load_report import loop_cpu_seconds
@@ -60,9 +60,7 @@ print(json.dumps(seen))
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench.retry_storm", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--data", type=Path, required=True, help="QA dataset folder (SQuAD/TAT-QA or BEIR layout)")
-    parser.add_argument("--chroma", type=Path, default=Path("data/bench-throughput"), help="on-disk store (re-used)")
-    parser.add_argument("--vllm-url", help="a running vLLM (default: start the CPU test model, 8192 window)")
+    add_app_stack_args(parser)
     parser.add_argument("--storm", type=int, default=64, help="clients that retry at once after a 429")
     parser.add_argument("--obeying", type=int, default=8, help="clients that wait each 429's Retry-After")
     parser.add_argument("--duration-s", type=float, default=60.0)

@@ -35,7 +35,7 @@ from pathlib import Path
 import httpx
 
 from bench.client_processes import ArmSpec, spread_loop
-from bench.common import command_line, environment, write_json
+from bench.common import add_app_stack_args, command_line, environment, write_json
 from bench.datasets import load_dataset, sample
 from bench.fleet import Fleet
 from bench.load_report import (
@@ -52,9 +52,7 @@ from bench.load_report import (
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench.throughput", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--data", type=Path, required=True, help="QA dataset folder (SQuAD/TAT-QA or BEIR layout)")
-    parser.add_argument("--chroma", type=Path, default=Path("data/bench-throughput"), help="on-disk store (re-used)")
-    parser.add_argument("--vllm-url", help="a running vLLM (default: start the CPU test model, 8192 window)")
+    add_app_stack_args(parser)
     parser.add_argument("--concurrency", default="1,8,32,128", help="closed-loop clients per cell, comma-separated")
     parser.add_argument("--max-tokens", default="16,256", help="answer lengths, comma-separated")
     parser.add_argument("--streamed", default="yes", help="yes, no or yes,no")
