@@ -42,7 +42,7 @@ bearer = HTTPBearer(auto_error=False, description="RAG_API_KEY, when the service
 
 
 async def holds_key(settings: SettingsDep,
-              credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]) -> bool:
+                    credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]) -> bool:
     """The caller may pass: no RAG_API_KEY is set, or it sent that key (compared in constant time)."""
     expected = settings.service.api_key
     return not expected or (credentials is not None and key_matches(credentials.credentials, expected))
