@@ -143,7 +143,7 @@ class LiveTraffic:
         wait for the next reading or a freed place, at most ``wait_s``: a burst after a quiet spell finds the
         reading stale, and refusing it would send clients away for a whole second of Retry-After."""
         deadline = time.monotonic() + (self.auto.wait_s if self.auto is not None else 0.0)
-        while self.present >= self.max_in_flight + self.max_queued and not self._grow():
+        while self._beyond_places() and not self._grow():
             if self._full() or deadline - time.monotonic() <= 0:
                 return False  # vLLM queues (or did just now), the limit cannot grow, or the wait is over
             with contextlib.suppress(TimeoutError):
@@ -154,10 +154,13 @@ class LiveTraffic:
         """For the request edge, before a body is read: the refusal of a request that would be refused at once
         now (counted), else None. Under a retry storm a refusal then costs no parsing, no routing and no
         validation, so it comes back at once and leaves the event loop to the requests admitted."""
-        if (self.present < self.max_in_flight + self.max_queued or self._can_grow() or not self._full()
-                or self.returns.on_time()):
+        if not self._beyond_places() or self._can_grow() or not self._full() or self.returns.on_time():
             return None
         return self._refusal()
+
+    def _beyond_places(self) -> bool:
+        """Every place in flight and in the queue is taken."""
+        return self.present >= self.max_in_flight + self.max_queued
 
     def _refusal(self) -> Overloaded:
         self.refused, self._refused_at = self.refused + 1, time.monotonic()
