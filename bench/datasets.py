@@ -27,6 +27,11 @@ class Dataset:
     passages: Path
     questions: list[Question]
 
+    @property
+    def collection(self) -> str:
+        """The Chroma collection the benchmarks ingest it into (Chroma caps names at 63 characters)."""
+        return f"bench-{self.name}"[:60]
+
 
 def load_dataset(root: Path) -> Dataset:
     root = Path(root)

@@ -49,7 +49,7 @@ class Harness:
         self = cls()
         self.args = args
         self.settings = Settings(_env_file=None)
-        self.settings.chroma.path, self.settings.chroma.collection = chroma, f"bench-{dataset.name}"[:60]
+        self.settings.chroma.path, self.settings.chroma.collection = chroma, dataset.collection
         # Validated, so --vllm-url may be given with or without /v1:
         self.settings.vllm = VLLMSettings(**self.settings.vllm.model_dump() | {"url": vllm_url})
         self.embedder = Embedder(self.settings.embedding)

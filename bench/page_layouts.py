@@ -56,7 +56,7 @@ async def _run(args) -> list[dict]:
 
     dataset = load_dataset(args.data)
     settings = Settings(_env_file=None)
-    settings.chroma.path, settings.chroma.collection = args.chroma_path, f"bench-{dataset.name}"[:60]
+    settings.chroma.path, settings.chroma.collection = args.chroma_path, dataset.collection
     embedder = Embedder(settings.embedding)
     run_ingest([dataset.passages], settings, embedder)  # unchanged: nothing written
     services = await build_services(settings, embedder=embedder)

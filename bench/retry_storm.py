@@ -154,10 +154,9 @@ def run(args: argparse.Namespace, vllm_url: str, tmp: Path) -> dict:
     from bench.throughput import ingest, warmed
 
     dataset = load_dataset(args.data)
-    collection = f"bench-{dataset.name}"[:60]
-    ingest(args, dataset, collection)
+    ingest(args, dataset)
     port = free_port()
-    env = {"RAG_VLLM_URL": vllm_url, "RAG_CHROMA_PATH": str(args.chroma), "RAG_COLLECTION": collection,
+    env = {"RAG_VLLM_URL": vllm_url, "RAG_CHROMA_PATH": str(args.chroma), "RAG_COLLECTION": dataset.collection,
            "RAG_CONTEXT__HOTNESS_DIR": str(tmp / "hotness")} | dict(pair.split("=", 1) for pair in args.app_env)
     app = app_child(args.app_log or tmp / "app.log", env, port).start()
     renice(5)  # the clients at vLLM's nice, as in bench.live_traffic: remote clients would not take the app's cores

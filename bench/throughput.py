@@ -74,16 +74,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     dataset = load_dataset(args.data)
-    collection = f"bench-{dataset.name}"[:60]
-    ingest(args, dataset, collection)
+    ingest(args, dataset)
     with tempfile.TemporaryDirectory(prefix="bench-throughput-") as tmp:
         if args.vllm_url:
-            result = run(args, dataset, collection, args.vllm_url, Path(tmp))
+            result = run(args, dataset, args.vllm_url, Path(tmp))
         else:
             from app.vllm.process import LocalVLLM
 
             with LocalVLLM(Path(tmp) / "vllm.log", max_model_len=8192) as url:
-                result = run(args, dataset, collection, url, Path(tmp))
+                result = run(args, dataset, url, Path(tmp))
     result |= {"command": command_line("bench.throughput", argv), "environment": environment()}
     write_json(args.out, result)
     plot_throughput(result, args.out.with_suffix(".png"))
@@ -91,23 +90,24 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def ingest(args: argparse.Namespace, dataset, collection: str) -> None:
+def ingest(args: argparse.Namespace, dataset) -> None:
     from app.core.embedder import Embedder
     from app.core.settings import Settings
     from ingest.pipeline import run_ingest
 
     settings = Settings(_env_file=None)
-    settings.chroma.path, settings.chroma.collection = args.chroma, collection
+    settings.chroma.path, settings.chroma.collection = args.chroma, dataset.collection
     report = run_ingest([dataset.passages], settings, Embedder(settings.embedding))
-    print(f"ingest: {report.chunks_written} chunks written into {collection}", flush=True)
+    print(f"ingest: {report.chunks_written} chunks written into {dataset.collection}", flush=True)
 
 
-def run(args: argparse.Namespace, dataset, collection: str, vllm_url: str, tmp: Path) -> dict:
+def run(args: argparse.Namespace, dataset, vllm_url: str, tmp: Path) -> dict:
     from app.vllm.process import app_child, free_port
 
     port, capture = free_port(), tmp / "capture.jsonl"
     app_env = APP_ENV_DEFAULTS | {"RAG_VLLM_URL": vllm_url, "RAG_CHROMA_PATH": str(args.chroma),
-                                  "RAG_COLLECTION": collection, "RAG_CONTEXT__HOTNESS_DIR": str(tmp / "hotness"),
+                                  "RAG_COLLECTION": dataset.collection,
+                                  "RAG_CONTEXT__HOTNESS_DIR": str(tmp / "hotness"),
                                   "RAG_VLLM__CAPTURE_PATH": str(capture)}
     app_env |= dict(pair.split("=", 1) for pair in args.app_env)
     app = app_child(args.app_log or tmp / "app.log", app_env, port).start()
@@ -155,7 +155,7 @@ async def measure(args: argparse.Namespace, dataset, app_url: str, vllm_url: str
             chosen = [questions[(used + i) % len(questions)] for i in range(count)]
             used += count
             for arm in args.arms.split(","):
-                spec = ArmSpec(arm, app_url, vllm_url, model, args.chroma, f"bench-{dataset.name}"[:60], args.top_k,
+                spec = ArmSpec(arm, app_url, vllm_url, model, args.chroma, dataset.collection, args.top_k,
                                max_tokens, streamed)
                 with profiled(args.profile if arm == "prefixrag" else None, app_pid,
                               f"c{concurrency}-t{max_tokens}-{'stream' if streamed else 'whole'}"):
