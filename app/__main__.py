@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from fastapi import FastAPI
 
     from app.core.settings import Settings
-    from app.serve.repeats import Repeats
+    from app.serve.observability import Logs
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValidationError as exc:
         print(f"error: {invalid_setting(exc)}", file=sys.stderr)
         return 2
-    repeats = configure_logging(repeats_s=settings.service.log_repeats_s)
+    logs = configure_logging(repeats_s=settings.service.log_repeats_s)
     # log_config=None: uvicorn's lines go through ours (request id, quiet probes).
     options: dict[str, Any] = {"host": settings.service.host, "port": settings.service.port, "log_level": "info",
                                "timeout_graceful_shutdown": math.ceil(settings.traffic.drain_s),
@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         uvicorn.run("app.serve.app:create_app", factory=True, reload=True, **options)
         return 0
     app = _create(settings)
-    DrainingServer(uvicorn.Config(app, **options), app, settings.traffic.drain_s, repeats).run()
+    DrainingServer(uvicorn.Config(app, **options), app, settings.traffic.drain_s, logs).run()
     return 0
 
 
@@ -66,9 +66,9 @@ class DrainingServer(uvicorn.Server):
     still running ends with a terminal event (``ShuttingDown``: 503, ``event: error``, a chat's error chunk and
     ``[DONE]``) and its vLLM request is aborted, instead of being cut off mid-body; then exit."""
 
-    def __init__(self, config: uvicorn.Config, app: FastAPI, drain_s: float, repeats: Repeats | None) -> None:
+    def __init__(self, config: uvicorn.Config, app: FastAPI, drain_s: float, logs: Logs) -> None:
         super().__init__(config)
-        self.app, self.drain_s, self.repeats = app, drain_s, repeats
+        self.app, self.drain_s, self.logs = app, drain_s, logs
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         services = getattr(self.app.state, "services", None)
@@ -78,8 +78,7 @@ class DrainingServer(uvicorn.Server):
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         await super().shutdown(sockets)
-        if self.repeats is not None:  # uvicorn re-raises the signal after this: atexit would never run
-            self.repeats.close()
+        self.logs.close()  # uvicorn re-raises the signal after this: atexit would never run
 
 
 def _create(settings: Settings) -> FastAPI:

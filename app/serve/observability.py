@@ -30,7 +30,7 @@ def observe(app: FastAPI, metrics: ServiceMetrics) -> None:
                        validator=lambda value: 0 < len(value) <= 128 and value.isprintable())
 
 
-def configure_logging(level: int = logging.INFO, repeats_s: float | None = None) -> Repeats | None:
+def configure_logging(level: int = logging.INFO, repeats_s: float | None = None) -> Logs:
     """The entry point's logging: the request id on every line; probe access lines only when they fail; httpx's
     per-request lines off (our monitors log state changes instead); with ``repeats_s``, repeated failures of one
     kind aggregated (``app.serve.repeats``). Lines are written by a thread of their own (``QueueListener``): the
@@ -38,9 +38,8 @@ def configure_logging(level: int = logging.INFO, repeats_s: float | None = None)
     written = logging.StreamHandler()
     written.setFormatter(logging.Formatter(LOG_FORMAT))
     listener = QueueListener(queue.SimpleQueue(), written)
-    listener.start()
-    atexit.register(listener.stop)  # registered first, so it runs last: the repeats' closing counts get written
     handler = QueueHandler(listener.queue)
+    handler.setFormatter(logging.Formatter("%(message)s"))  # the message only: the writer adds time, level, id
     handler.addFilter(CorrelationIdFilter(default_value="-"))  # here: the request id is the caller's context
     repeats = Repeats(repeats_s).start() if repeats_s else None
     if repeats is not None:
@@ -49,7 +48,34 @@ def configure_logging(level: int = logging.INFO, repeats_s: float | None = None)
     logging.getLogger("uvicorn.access").addFilter(QuietProbes())
     for noisy in ("httpx", "httpx2"):  # httpx2: the openai SDK's own copy of httpx
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    return repeats
+    logs = Logs(listener, handler, repeats)
+    listener.start()
+    atexit.register(logs.close)
+    return logs
+
+
+class Logs:
+    """The log's writer thread, and how it ends: ``close`` counts what the repeats still hold back, writes every
+    queued line, then writes directly. A server stopped by a signal must call it itself: uvicorn re-raises the
+    signal once it has shut down, and a process ended by a signal never runs ``atexit``."""
+
+    def __init__(self, listener: QueueListener, queued: logging.Handler, repeats: Repeats | None) -> None:
+        self.listener, self.queued, self.repeats = listener, queued, repeats
+        self._closed = False
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self.repeats is not None:
+            self.repeats.close()
+        self.listener.stop()  # the sentinel queues after the repeats' counts: they are written before it returns
+        root = logging.getLogger()
+        for written in self.listener.handlers:
+            for each in self.queued.filters:  # the queue's own: the request id, the repeats
+                written.addFilter(each)
+            root.addHandler(written)
+        root.removeHandler(self.queued)
 
 
 class QuietProbes(logging.Filter):

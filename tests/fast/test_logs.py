@@ -5,13 +5,19 @@ request. No vLLM is involved (it is down by design): tested here only."""
 from __future__ import annotations
 
 import logging
+import signal
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 
 from app.serve.repeats import Repeats
 from app.vllm.process import app_child, free_port
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def access(status: int, path: str = "/ask") -> logging.LogRecord:
@@ -64,3 +70,33 @@ def test_an_outage_under_four_clients_is_a_handful_of_lines_not_one_per_request(
     # Two kinds (the access line and the failure's reason): the first of each, a count a second, their end.
     assert len(failures) <= 2 * (1 + 4 + 1), "\n".join(failures)
     assert any("repeated (stopped:" in line and "POST /ask" in line for line in failures), "\n".join(failures)
+
+
+LOGS_THEN_SIGNAL = """
+import logging, os, signal
+from app.serve.observability import configure_logging
+logs = configure_logging(repeats_s=30)
+for _ in range(2):
+    logging.getLogger("prefixrag.http").warning("%s %s: %s", 503, "shutting_down", "retry shortly")
+try:
+    raise ValueError("kept with its line")
+except ValueError:
+    logging.getLogger("prefixrag").exception("a failure")
+logs.close()
+logging.getLogger("prefixrag").info("after the close")
+os.kill(os.getpid(), signal.SIGTERM)  # as uvicorn ends: the signal re-raised, so no atexit
+"""
+
+
+def test_a_process_ended_by_its_signal_has_written_every_queued_line_once_formatted():
+    """The writer thread's queue is emptied by ``Logs.close``, the repeats' closing count included, and lines
+    after it are written directly; each line carries the format once (time, level, request id, name)."""
+    done = subprocess.run([sys.executable, "-c", LOGS_THEN_SIGNAL], cwd=ROOT, capture_output=True, text=True,
+                          timeout=60)
+    lines = done.stderr.splitlines()
+    assert done.returncode == -signal.SIGTERM, done.stderr
+    assert sum("503 shutting_down" in line for line in lines) == 2, done.stderr  # the first, then its count
+    assert any("repeated (stopped: 2 in" in line for line in lines), done.stderr
+    assert any("ValueError: kept with its line" in line for line in lines), done.stderr
+    assert any(line.endswith("INFO [-] prefixrag: after the close") for line in lines), done.stderr
+    assert not any("WARNING:prefixrag" in line or "INFO:prefixrag" in line for line in lines), done.stderr
