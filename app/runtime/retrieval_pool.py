@@ -5,29 +5,31 @@ encoder, collection handle and BM25 index; everything with state stays in the se
 pre-warm, the planner's hotness and served paths, metrics), so it is global by construction, and a worker
 returns only a ``Ranking``.
 
-A worker answers one question at a time; questions go to the next free worker. After an ingest, a worker
-reopens the collection at its next question (the epoch it is sent says so) and answers dense-only, not to be
-remembered, until its BM25 index is loaded again, as the serving process itself would."""
+Each worker is reached over a socket the event loop reads and writes itself (``app.runtime.worker_channel``):
+no thread of the serving process stands between a question and its ranking, so a busy loop never makes a
+ranking wait for a thread to get the GIL. A free worker takes every question waiting, up to ``BATCH``, and
+encodes them in one pass. After an ingest, a worker reopens the collection at its next question (the epoch it
+is sent says so) and answers dense-only, not to be remembered, until its BM25 index is loaded again, as the
+serving process itself would. A worker that dies is started again and primed before it takes a question; its
+questions in flight fail with a 503."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import multiprocessing
 import os
 import signal
-import threading
-from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
-from dataclasses import dataclass
-from typing import Any
+import socket
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 
-from app.core.errors import StoreUnavailable
+from app.core.errors import ServiceError, StoreUnavailable
 from app.core.settings import ChromaSettings, EmbeddingSettings, PageSettings, RetrievalSettings
 from app.rag.retriever import Ranking, Retriever
+from app.runtime.worker_channel import Channel, ChannelClosed, Message, serve_channel
 
 log = logging.getLogger("prefixrag.retrieval")
-PRIME_TIMEOUT_S = 600.0  # a worker that needs longer to load its encoder and indexes is broken
+BATCH = 16  # questions one worker encodes in one pass, at most: enough for any burst the loop hands it at once
 
 
 @dataclass(frozen=True)
@@ -40,98 +42,155 @@ class WorkerConfig:
     paging: PageSettings
 
 
+@dataclass
+class _Asked:
+    question: str
+    k: int
+    source_prefix: str | None
+    ranking: asyncio.Future[Ranking] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+
+
 class RetrievalPool:
     """``Ranker`` over ``workers`` processes (spawned, not forked: the serving process has threads)."""
 
     def __init__(self, config: WorkerConfig, workers: int) -> None:
         self.config, self.workers = config, workers
         self.epoch = 0  # bumped when an ingest changed the collection; every question carries it
-        self._primed = False
-        self._pool = self._new_pool()
-
-    def _new_pool(self) -> ProcessPoolExecutor:
-        context = multiprocessing.get_context("spawn")
-        self._barrier = context.Barrier(self.workers)  # one prime per worker: each waits for the others
-        return ProcessPoolExecutor(self.workers, mp_context=context, initializer=_start_worker,
-                                   initargs=(self.config, self._barrier))
+        self._channels: list[Channel] = []
+        self._asked: asyncio.Queue[_Asked] = asyncio.Queue()
+        self._feeders: list[asyncio.Task[None]] = []
 
     async def rank(self, question: str, k: int, source_prefix: str | None = None) -> Ranking:
-        ranking: Ranking = await self._submit(_rank, self.epoch, question, k, source_prefix)
-        return ranking
+        self._start()
+        asked = _Asked(question, k, source_prefix)
+        self._asked.put_nowait(asked)
+        return await asked.ranking
 
     async def prime(self) -> None:
-        """At start-up (and once the collection first exists): every worker loads its encoder and indexes
-        before the service reports ready. After that, workers reload at their next question, while answering."""
-        if self._primed:
-            return
-        await asyncio.gather(*(self._submit(_prime, self.epoch) for _ in range(self.workers)))
-        self._primed = True
+        """At start-up (and when the collection first exists): every worker loads its encoder and indexes
+        before the service reports ready. After a reload, workers reload at their next question."""
+        self._start()
+        await asyncio.gather(*(_prime(channel, self.epoch) for channel in self._channels if not channel.primed))
 
     async def collection_changed(self, rewarm: bool) -> None:
         self.epoch += 1
 
-    def close(self) -> None:
-        self._pool.shutdown(wait=True, cancel_futures=True)
+    async def aclose(self) -> None:
+        for feeder in self._feeders:
+            feeder.cancel()
+        await asyncio.gather(*self._feeders, return_exceptions=True)
+        await asyncio.gather(*(channel.aclose() for channel in self._channels))
 
-    async def _submit(self, work: Any, *args: Any) -> Any:
-        pool = self._pool
+    def _start(self) -> None:
+        if self._feeders:
+            return
+        self._channels = [Channel.spawn(_serve, self.config) for _ in range(self.workers)]
+        self._feeders = [asyncio.create_task(self._feed(slot), name=f"retrieval-feeder-{slot}")
+                         for slot in range(self.workers)]
+
+    async def _feed(self, slot: int) -> None:
+        """Hand worker ``slot`` the questions waiting, a batch at a time; start it again if it died."""
+        while True:
+            if self._channels[slot].closed:
+                await self._channels[slot].aclose()
+                log.error("retrieval worker %d died: starting a new one", slot)
+                self._channels[slot] = Channel.spawn(_serve, self.config)
+                await _prime_logged(self._channels[slot], self.epoch)
+            batch = [await self._asked.get()]
+            while len(batch) < BATCH and not self._asked.empty():
+                batch.append(self._asked.get_nowait())
+            batch = [asked for asked in batch if not asked.ranking.done()]  # a client that gave up
+            if batch:
+                await self._rank_on(self._channels[slot], batch)
+
+    async def _rank_on(self, channel: Channel, batch: list[_Asked]) -> None:
+        questions = [(asked.question, asked.k, asked.source_prefix) for asked in batch]
         try:
-            return await asyncio.wrap_future(pool.submit(work, *args))
-        except BrokenProcessPool as exc:  # a worker died (killed, out of memory): start them all again
-            if pool is self._pool:
-                log.error("a retrieval worker died (%s): starting %d new ones", exc, self.workers)
-                self._primed, self._pool = False, self._new_pool()
-                pool.shutdown(wait=False, cancel_futures=True)
-            raise StoreUnavailable("a retrieval worker died; it is being restarted, retry shortly") from exc
+            outcomes = await channel.exchange(("rank", self.epoch, questions))
+        except ChannelClosed:
+            outcomes = [StoreUnavailable("a retrieval worker died; it is being restarted, retry shortly")] * len(batch)
+        for asked, outcome in zip(batch, outcomes, strict=True):
+            if asked.ranking.done():
+                continue
+            if isinstance(outcome, BaseException):
+                asked.ranking.set_exception(outcome)
+            else:
+                asked.ranking.set_result(outcome)
+
+
+async def _prime(channel: Channel, epoch: int) -> None:
+    outcome = await channel.exchange(("prime", epoch, None))
+    if isinstance(outcome, BaseException):
+        raise outcome
+    channel.primed = True
+
+
+async def _prime_logged(channel: Channel, epoch: int) -> None:
+    try:
+        await _prime(channel, epoch)
+    except (ServiceError, ChannelClosed) as exc:  # it ranks anyway, loading at its first question
+        log.warning("a new retrieval worker could not load its indexes: %s", exc)
 
 
 class _Worker:
     """A worker process's retrieval: the serving process's own ``Retriever``, over a collection of its own."""
 
-    def __init__(self, config: WorkerConfig, barrier: threading.Barrier) -> None:
+    def __init__(self, config: WorkerConfig) -> None:
         from app.core.embedder import Embedder, limit_threads
         from app.rag.index import CollectionIndex
 
         limit_threads(config.embedding.query_threads)
-        embedder = Embedder(config.embedding).load()
+        self.embedder = Embedder(config.embedding).load()
         # The index runs nothing on this pool (ranking is synchronous here); its own thread loads BM25.
-        self.index = CollectionIndex(embedder, config.chroma, ThreadPoolExecutor(1), config.retrieval,
+        self.index = CollectionIndex(self.embedder, config.chroma, ThreadPoolExecutor(1), config.retrieval,
                                      config.paging)
-        self.retriever = Retriever(self.index, embedder, config.retrieval)
-        self.barrier, self.epoch = barrier, 0
+        self.retriever = Retriever(self.index, self.embedder, config.retrieval)
+        self.epoch = 0
 
-    def follow(self, epoch: int) -> None:
+    def answer(self, message: Message) -> object:
+        kind, epoch, questions = message
         if epoch != self.epoch:
             self.index.reopen()
             self.epoch = epoch
+        if kind == "prime":
+            return _outcome(self.prime)
+        return self.rank(questions)
+
+    def prime(self) -> None:
+        """Rank once and load BM25: the first question pays for neither."""
+        self.retriever.rank_sync("prime the index", 1)
+        if self.index.retrieval.mode != "dense":
+            self.index.lexical_index(wait=True)
+
+    def rank(self, questions: list[tuple[str, int, str | None]]) -> list[object]:
+        """Every question's ranking (or its error), the questions encoded in one pass."""
+        texts = [question for question, _, _ in questions]
+        dense = self.index.retrieval.mode != "lexical"
+        vectors = _outcome(lambda: self.embedder.embed(texts) if dense else [None] * len(texts))
+        if isinstance(vectors, BaseException):
+            return [vectors] * len(questions)
+        assert isinstance(vectors, list)
+        return [_outcome(lambda q=q, k=k, p=p, v=v: self.retriever.rank_sync(q, k, p, vector=v))
+                for (q, k, p), v in zip(questions, vectors, strict=True)]
 
 
-_worker: _Worker | None = None
+def _outcome(work: object) -> object:
+    """``work()``, or the error it raised as one the serving process can report (a ``ServiceError``)."""
+    assert callable(work)
+    try:
+        return work()
+    except ServiceError as exc:
+        return exc
+    except Exception as exc:
+        log.exception("ranking failed in a retrieval worker")
+        return ServiceError(f"ranking failed in a retrieval worker: {type(exc).__name__}: {exc}")
 
 
-def _start_worker(config: WorkerConfig, barrier: threading.Barrier) -> None:
+def _serve(config: WorkerConfig, channel_end: socket.socket) -> None:
+    """A worker process: answer the serving process's messages until it closes the channel."""
     # The serving process decides when workers stop (after draining): a terminal's Ctrl-C or a SIGTERM sent
     # to the whole process group must not kill them under requests still in flight.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    global _worker
-    _worker = _Worker(config, barrier)
-
-
-def _rank(epoch: int, question: str, k: int, source_prefix: str | None) -> Ranking:
-    assert _worker is not None
-    _worker.follow(epoch)
-    return _worker.retriever.rank_sync(question, k, source_prefix)
-
-
-def _prime(epoch: int) -> None:
-    """Rank once and load BM25, then wait for every other worker's prime: no worker takes two."""
-    assert _worker is not None
-    _worker.follow(epoch)
-    try:
-        _worker.retriever.rank_sync("prime the index", 1)
-        if _worker.index.retrieval.mode != "dense":
-            _worker.index.lexical_index(wait=True)
-    finally:
-        _worker.barrier.wait(PRIME_TIMEOUT_S)
+    serve_channel(channel_end, _Worker(config).answer)

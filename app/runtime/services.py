@@ -93,7 +93,7 @@ class Services:
         clients.prompt_ids.close()
         clients.index.close()
         if isinstance(clients.ranker, RetrievalPool):
-            await asyncio.to_thread(clients.ranker.close)
+            await clients.ranker.aclose()
         await clients.llm.aclose()
         clients.executor.shutdown(wait=False, cancel_futures=True)
 

@@ -1,0 +1,60 @@
+"""Ranking in worker processes (``RAG_RETRIEVAL__WORKERS``) over a real collection, with the real encoder: the
+workers rank as the serving process does, a burst of questions is answered in batches, a worker killed under
+load is started again, and closing the pool ends every worker."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from concurrent.futures import ThreadPoolExecutor
+
+from app.core.errors import StoreUnavailable
+from app.rag.retriever import Retriever
+from app.runtime.retrieval_pool import RetrievalPool, WorkerConfig
+from tests.support.corpora import app_settings
+
+QUESTIONS = ["How is the prefix cache measured?", "What does the service log?", "How do I start vLLM?",
+             "Which counters does vLLM export?", "What does ingest do with a bad file?", "How is a chunk sized?"]
+
+
+def ids(ranking) -> list[str]:
+    return [chunk.id for chunk in ranking.chunks]
+
+
+def test_workers_rank_as_the_serving_process_does_and_one_killed_is_started_again(collections, embedder):
+    settings = app_settings(collections, "http://unused/v1", collection="project-docs")
+    here = Retriever.over(embedder, settings.chroma, ThreadPoolExecutor(2), settings.retrieval)
+    here.index.lexical_index(wait=True)
+    expected = {question: ids(here.rank_sync(question, 5)) for question in QUESTIONS}
+    here.index.close()
+
+    async def scenario() -> None:
+        pool = RetrievalPool(WorkerConfig(settings.chroma, settings.embedding, settings.retrieval,
+                                          settings.pages), workers=2)
+        try:
+            await pool.prime()
+            assert all(channel.primed for channel in pool._channels)
+            burst = await asyncio.gather(*(pool.rank(q, 5) for q in QUESTIONS * 4))  # more than two at a time
+            assert [ids(ranking) for ranking in burst] == [expected[q] for q in QUESTIONS * 4]
+            assert all(ranking.complete for ranking in burst)
+            killed = pool._channels[0].process
+            os.kill(killed.pid, signal.SIGKILL)
+            await asyncio.to_thread(killed.join, 10)
+            outcomes = await asyncio.gather(*(pool.rank(q, 5) for q in QUESTIONS), return_exceptions=True)
+            assert all(isinstance(o, StoreUnavailable) or ids(o) == expected[q]
+                       for o, q in zip(outcomes, QUESTIONS, strict=True)), outcomes
+            for _ in range(600):  # the slot's new worker, primed, answers again
+                if pool._channels[0].process is not killed and pool._channels[0].primed:
+                    break
+                await asyncio.gather(pool.rank(QUESTIONS[0], 5), return_exceptions=True)
+                await asyncio.sleep(0.1)
+            assert pool._channels[0].process.pid != killed.pid
+            again = await asyncio.gather(*(pool.rank(q, 5) for q in QUESTIONS))
+            assert [ids(ranking) for ranking in again] == [expected[q] for q in QUESTIONS]
+        finally:
+            processes = [channel.process for channel in pool._channels]
+            await pool.aclose()
+        assert not any(process.is_alive() for process in processes)
+
+    asyncio.run(scenario())
