@@ -147,14 +147,20 @@ class CollectionIndex:
                            for i, text, meta in zip(page["ids"], documents, page["metadatas"])]
             return chunks
 
-    def chunks(self, ids: list[str], scores: list[float]) -> list[ContextChunk]:
-        """These chunks read from Chroma, in this order (ids it no longer holds are dropped)."""
+    def chunks(self, ids: list[str], scores: list[float],
+               rows: dict[str, tuple[str, dict[str, Any]]] | None = None) -> list[ContextChunk]:
+        """These chunks, in this order, from ``rows`` (``read``) or read from Chroma now (ids it no longer
+        holds are dropped)."""
+        rows = self.read(ids) if rows is None else rows
+        return [to_chunk(i, *rows[i], score, rank) for rank, (i, score) in enumerate(zip(ids, scores)) if i in rows]
+
+    def read(self, ids: list[str]) -> dict[str, tuple[str, dict[str, Any]]]:
+        """Text and metadata of these chunks, by id, in one Chroma read."""
         if not ids:
-            return []
+            return {}
         with chroma_errors("read"):
             page = self.collection.get(ids=ids, include=["documents", "metadatas"])
-        rows = {i: (text, meta) for i, text, meta in zip(page["ids"], page["documents"], page["metadatas"])}
-        return [to_chunk(i, *rows[i], score, rank) for rank, (i, score) in enumerate(zip(ids, scores)) if i in rows]
+        return {i: (text, meta) for i, text, meta in zip(page["ids"], page["documents"], page["metadatas"])}
 
     def sources(self) -> list[str]:
         """Every source in the collection (read page by page, reused for ``SOURCES_TTL_S``)."""

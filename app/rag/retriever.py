@@ -77,6 +77,39 @@ class Retriever:
         kept = self.index.chunks([i for i, _ in fused], [score for _, score in fused])  # deleted since: gone
         return Ranking([replace(chunk, rank=rank) for rank, chunk in enumerate(kept)])
 
+    def rank_batch_sync(self, questions: list[tuple[str, int, str | None]],
+                        vectors: list[list[float] | None]) -> list[Ranking]:
+        """``rank_sync`` of each ``(question, k, source_prefix)`` with its vector, the hybrid mode's work done
+        once for them all: one Chroma query per depth and filter, one read of every fused chunk's text."""
+        lexical = self.index.lexical_index(wait=False) if self.retrieval.mode == "hybrid" else None
+        if lexical is None:  # dense or lexical alone, or BM25 still loading: nothing to share
+            return [self.rank_sync(q, k, p, vector=v) for (q, k, p), v in zip(questions, vectors, strict=True)]
+        asked = [_Question(q, k, max(k, self.retrieval.candidates), self._where(p)) for q, k, p in questions]
+        dense = self._dense_ids(asked, vectors)
+        fused = [reciprocal_rank_fusion([ids, [i for i, _ in lexical.search(one.question, one.depth, one.sources)]],
+                                        self.retrieval.rrf_k)[:one.k] if one.sources != set() else []
+                 for one, ids in zip(asked, dense, strict=True)]
+        rows = self.index.read(list({i for ranked in fused for i, _ in ranked}))
+        return [Ranking([replace(chunk, rank=rank) for rank, chunk in enumerate(self.index.chunks(
+                    [i for i, _ in ranked], [score for _, score in ranked], rows))]) for ranked in fused]
+
+    def _dense_ids(self, asked: list[_Question], vectors: list[list[float] | None]) -> list[list[str]]:
+        """Each question's dense ranking (ids only), one Chroma query per depth and filter."""
+        ids: list[list[str]] = [[] for _ in asked]
+        groups: dict[str, list[int]] = {}
+        for n, one in enumerate(asked):
+            groups.setdefault(repr((one.depth, one.where)), []).append(n)
+        for group in groups.values():
+            depth, where = asked[group[0]].depth, asked[group[0]].where
+            if asked[group[0]].sources == set():
+                continue
+            with chroma_errors("query"):
+                found = self.index.collection.query(query_embeddings=[vectors[n] for n in group], n_results=depth,
+                                                    where=where, include=[])
+            for n, found_ids in zip(group, found["ids"], strict=True):
+                ids[n] = found_ids
+        return ids
+
     def _query(self, question: str, k: int, where: dict[str, Any] | None, include: list[str],
                vector: list[float] | None = None) -> dict[str, Any]:
         vector = vector if vector is not None else self.embedder.embed([question])[0]
@@ -96,6 +129,18 @@ class Retriever:
         if not source_prefix:
             return None
         return {"source": {"$in": [s for s in self.index.sources() if s.startswith(source_prefix)]}}
+
+
+@dataclass(frozen=True)
+class _Question:
+    question: str
+    k: int
+    depth: int  # candidates each ranking contributes to the fusion
+    where: dict[str, Any] | None  # the source filter, as Chroma takes it
+
+    @property
+    def sources(self) -> set[str] | None:
+        return set(self.where["source"]["$in"]) if self.where else None
 
 
 def reciprocal_rank_fusion(rankings: list[list[str]], k: int) -> list[tuple[str, float]]:

@@ -170,7 +170,10 @@ class _Worker:
         if isinstance(vectors, BaseException):
             return [vectors] * len(questions)
         assert isinstance(vectors, list)
-        return [_outcome(lambda q=q, k=k, p=p, v=v: self.retriever.rank_sync(q, k, p, vector=v))
+        together = _outcome(lambda: self.retriever.rank_batch_sync(questions, vectors))
+        if isinstance(together, list):
+            return together
+        return [_outcome(lambda q=q, k=k, p=p, v=v: self.retriever.rank_sync(q, k, p, vector=v))  # one by one
                 for (q, k, p), v in zip(questions, vectors, strict=True)]
 
 

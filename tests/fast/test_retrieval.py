@@ -55,6 +55,19 @@ def test_a_source_filter_applies_to_both_rankings(retriever):
         assert not retriever.retrieve_sync(IDENTIFIER, 5, source_prefix="architecture", mode="lexical")
 
 
+def test_questions_ranked_together_rank_as_each_alone(retriever, embedder):
+    """A worker's batch: one Chroma query per depth and filter, one read of the texts; the same rankings."""
+    questions = [("How does pre-warm avoid delaying users?", 5, None), (IDENTIFIER, 3, None),
+                 ("What does /readyz report?", 25, None), ("How is the prompt kept stable?", 5, "architecture"),
+                 ("What does /readyz report?", 5, "no-such-source/"), ("How does pre-warm avoid delaying users?", 5, None)]
+    vectors = embedder.embed([question for question, _, _ in questions])
+    together = retriever.rank_batch_sync(questions, vectors)
+    alone = [retriever.rank_sync(q, k, p, vector=v) for (q, k, p), v in zip(questions, vectors, strict=True)]
+    assert together == alone
+    assert [len(ranking.chunks) for ranking in together][:2] == [5, 3] and len(together[2].chunks) > 5
+    assert not together[4].chunks  # the filter matches no source
+
+
 def test_a_chunk_deleted_after_the_index_was_built_is_left_out_not_an_error(tmp_path, embedder):
     from ingest.pipeline import run_ingest
     from tests.support.corpora import collection_of
