@@ -74,10 +74,12 @@ async def event_batches(response: httpx.Response) -> AsyncIterator[list[dict[str
     load several tokens of an answer are waiting by the time the event loop reads its socket, and each hop after
     this one (the pipeline, the SSE encoding, the ASGI stack, the socket write) is then paid once per batch rather
     than once per token; a token that arrives alone goes on alone, at once."""
-    pending = b""
+    pending, done = b"", False
     async for received in response.aiter_raw():
+        if done:  # read to the body's end, else the connection is closed rather than pooled for the next request
+            continue
         complete, _, pending = (pending + received).rpartition(b"\n")
-        batch, done = [], False
+        batch = []
         for line in complete.splitlines():
             if not line.startswith(b"data:"):
                 continue
@@ -88,8 +90,6 @@ async def event_batches(response: httpx.Response) -> AsyncIterator[list[dict[str
             batch.append(orjson.loads(data))
         if batch:
             yield batch
-        if done:
-            return
 
 
 def read_event(event: dict[str, Any], result: Completion, completion: bool) -> Iterator[str]:

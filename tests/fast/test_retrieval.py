@@ -59,7 +59,8 @@ def test_questions_ranked_together_rank_as_each_alone(retriever, embedder):
     """A worker's batch: one Chroma query per depth and filter, one read of the texts; the same rankings."""
     questions = [("How does pre-warm avoid delaying users?", 5, None), (IDENTIFIER, 3, None),
                  ("What does /readyz report?", 25, None), ("How is the prompt kept stable?", 5, "architecture"),
-                 ("What does /readyz report?", 5, "no-such-source/"), ("How does pre-warm avoid delaying users?", 5, None)]
+                 ("What does /readyz report?", 5, "no-such-source/"),
+                 ("How does pre-warm avoid delaying users?", 5, None)]
     vectors = embedder.embed([question for question, _, _ in questions])
     together = retriever.rank_batch_sync(questions, vectors)
     alone = [retriever.rank_sync(q, k, p, vector=v) for (q, k, p), v in zip(questions, vectors, strict=True)]

@@ -14,10 +14,11 @@ class Reads(httpx.AsyncByteStream):
     """The body as the network hands it over: these pieces, one read each."""
 
     def __init__(self, pieces: list[bytes]) -> None:
-        self.pieces = pieces
+        self.pieces, self.read = pieces, 0
 
     async def __aiter__(self):
         for piece in self.pieces:
+            self.read += 1
             yield piece
 
 
@@ -38,6 +39,8 @@ async def test_events_waiting_together_are_one_batch_and_a_cut_line_waits_for_it
     assert (result.finish_reason, result.prompt_tokens, result.completion_tokens) == ("length", 9, 3)
 
 
-async def test_nothing_after_done_is_read_and_comments_are_skipped():
-    found = await batches([b": keep-alive\n\n" + chat_event("a"), b"data: [DONE]\n\n" + chat_event("never")])
+async def test_nothing_after_done_is_parsed_but_the_body_is_read_to_its_end_and_comments_are_skipped():
+    reads = Reads([b": keep-alive\n\n" + chat_event("a"), b"data: [DONE]\n\n" + chat_event("never"), b"\n"])
+    found = [batch async for batch in event_batches(httpx.Response(200, stream=reads))]
     assert found == [[{"choices": [{"delta": {"content": "a"}, "finish_reason": None}]}]]
+    assert reads.read == 3, "read to the end: a response closed early takes its connection with it"

@@ -13,6 +13,7 @@ import pytest
 from app.core.settings import VLLMSettings
 from app.serve.app import create_app
 from app.vllm.client import POOL, LLMClient
+from app.vllm.wire import Completion
 from tests.support.corpora import app_settings
 from tests.support.servers import AppServer, proxy_in_front_of
 
@@ -234,6 +235,25 @@ async def test_idle_connections_to_vllm_are_dropped_before_vllms_keep_alive_clos
             await asyncio.sleep(POOL.keepalive_expiry + 0.5)
             await call()
             assert proxy.accepted == opened + 2, "an idle one is not"
+    finally:
+        await llm.aclose()
+        proxy.down()
+
+
+async def test_streamed_answers_one_after_another_reuse_one_connection_to_vllm(vllm_url):
+    """A stream is read to its body's end, not only to its ``[DONE]``: a response closed before its last chunk
+    takes its connection with it, and every answer under load would pay a new TCP connection."""
+    proxy, proxied = proxy_in_front_of(vllm_url)
+    llm = LLMClient(VLLMSettings(url=proxied))
+    try:
+        llm.use_model((await llm.list_models())[0]["id"])
+        opened = proxy.accepted
+        for question in ("What do anchors do?", "Why do tides rise?", "Where does a compass point?"):
+            request = llm.chat_request([{"role": "user", "content": question}], max_tokens=4, temperature=0,
+                                       prefix_key="test")
+            result = Completion()
+            assert [delta async for delta in llm.stream_chat(request, result)] and result.finish_reason
+        assert proxy.accepted == opened, "the connection that listed the models served every answer"
     finally:
         await llm.aclose()
         proxy.down()
