@@ -21,11 +21,12 @@ class Sampling:
     stop: list[str] | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    response_format: dict[str, Any] | None = None  # structured output, as OpenAI spells it (vLLM decodes to it)
 
     def options(self) -> dict[str, Any]:
         """The parameters a client set, but temperature (the service has a default of its own for it)."""
-        chosen = {"top_p": self.top_p, "stop": self.stop,
-                  "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty}
+        chosen = {"top_p": self.top_p, "stop": self.stop, "presence_penalty": self.presence_penalty,
+                  "frequency_penalty": self.frequency_penalty, "response_format": self.response_format}
         return {name: value for name, value in chosen.items() if value is not None}
 
 

@@ -20,7 +20,7 @@ from app.serve.http_errors import error_response
 from app.serve.protocol import error_body
 
 BODYLESS = frozenset({"GET", "HEAD", "OPTIONS", "DELETE"})
-ADMITTED = frozenset({"/ask", "/v1/chat/completions"})  # the routes that take a place of admission
+ADMITTED = frozenset({"/ask", "/v1/chat/completions", "/v1/completions"})  # the routes that take a place of admission
 
 
 def key_matches(token: str, expected: str) -> bool:

@@ -165,13 +165,24 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class ChatCompletionRequest(BaseModel):
+class ResponseFormat(BaseModel):
+    """Structured output, passed to vLLM (its guided decoding): ``json_object``, or ``json_schema`` with the
+    schema under ``json_schema`` (``{"name", "schema", "strict"}``, as OpenAI has it)."""
+
+    model_config = ConfigDict(extra="allow")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = None
+
+
+class GenerationRequest(BaseModel):
+    """What chat and text completions share. Fields a client may send that prefixrag cannot honour (several
+    answers, log probabilities, tools) are declared, so that a request using them is refused by name
+    (``app.serve.routers.openai_chat.refuse_unsupported``) instead of having them silently dropped."""
+
     model_config = ConfigDict(extra="ignore")  # frontends send many optional fields; unknown ones are ignored
-    messages: list[ChatMessage] = Field(min_length=1)
     model: Text | None = None
     stream: StrictBool = False
     max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
     stop: Text | list[Text] | None = None
@@ -179,6 +190,49 @@ class ChatCompletionRequest(BaseModel):
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     stream_options: StreamOptions | None = None
     user: Text | None = None
+    response_format: ResponseFormat | None = None
+    n: int | None = Field(None, ge=1, description="Answers per request: only 1 is supported.")
+
+    def unsupported(self) -> list[str]:
+        """The parameters this request sets that prefixrag cannot honour."""
+        return ["n"] if (self.n or 1) > 1 else []
+
+
+class ChatCompletionRequest(GenerationRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = Field(None, description="Not supported: true is refused.")
+    top_logprobs: int | None = Field(None, description="Not supported: refused.")
+    tools: list[dict[str, Any]] | None = Field(None, description="Not supported: refused unless tool_choice is "
+                                               "'none' (prefixrag answers from its documents, it calls no tools).")
+    tool_choice: str | dict[str, Any] | None = None
+    functions: list[dict[str, Any]] | None = Field(None, description="Not supported (the deprecated tools).")
+
+    def unsupported(self) -> list[str]:
+        tools = bool(self.functions) or (bool(self.tools) and self.tool_choice != "none")
+        return super().unsupported() + [param for param, used in (
+            ("tools", tools or any(m.role == "tool" for m in self.messages)),
+            ("logprobs", bool(self.logprobs) or self.top_logprobs is not None)) if used]
+
+
+class TextCompletionRequest(GenerationRequest):
+    """``POST /v1/completions``: the prompt is the question (clients such as LlamaIndex's ``OpenAILike`` call
+    this route by default)."""
+
+    prompt: Text | list[Text] = Field(description="The question: one string (or a list holding one).")
+    logprobs: int | None = Field(None, description="Not supported: refused.")
+    echo: StrictBool = Field(False, description="Not supported: true is refused.")
+    suffix: Text | None = Field(None, description="Not supported: refused.")
+    best_of: int | None = Field(None, ge=1, description="Only 1 is supported.")
+
+    def unsupported(self) -> list[str]:
+        return super().unsupported() + [param for param, used in (
+            ("n", (self.best_of or 1) > 1), ("logprobs", self.logprobs is not None), ("echo", self.echo),
+            ("suffix", self.suffix is not None), ("prompt", isinstance(self.prompt, list) and len(self.prompt) != 1))
+            if used]
+
+    def question(self) -> str:
+        return self.prompt if isinstance(self.prompt, str) else self.prompt[0]
 
 
 class PromptTokensDetails(BaseModel):
@@ -232,3 +286,21 @@ class ChatCompletionChunk(BaseModel):
     choices: list[ChunkChoice]
     usage: ChatUsage | None = None
     sources: list[Source] | None = Field(None, description="prefixrag extension, on the final chunk.")
+
+
+class TextChoice(BaseModel):
+    index: int = 0
+    text: str
+    logprobs: None = None
+    finish_reason: str | None = None
+
+
+class TextCompletion(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[TextChoice]
+    usage: ChatUsage | None = None
+    sources: list[Source] | None = Field(None, description="prefixrag extension: the chunks the answer could cite "
+                                         "(streamed: on the final chunk).")

