@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, Any
 import uvicorn
 from pydantic import ValidationError
 
+from app.core.version import add_version
+
 if TYPE_CHECKING:
     from fastapi import FastAPI
 
@@ -33,7 +35,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "(RAG_RETRIEVAL__WORKERS; default auto: one per two cores, at most 8, on 8 cores or "
                              "more; 0: rank in the serving process)")
     parser.add_argument("--reload", action="store_true", help="restart on code changes (development)")
-    return parser.parse_args(argv)
+    return add_version(parser).parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:

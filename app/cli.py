@@ -14,7 +14,7 @@ COMMANDS = {
 
 
 def usage() -> str:
-    lines = ["usage: prefixrag {" + ",".join(COMMANDS) + "} [options]", ""]
+    lines = ["usage: prefixrag {" + ",".join(COMMANDS) + "} [options]  |  prefixrag --version", ""]
     lines += [f"  {name:<8} {what}" for name, (_, what) in COMMANDS.items()]
     return "\n".join(lines)
 
@@ -26,6 +26,11 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(usage())
         return 0 if argv else 2
+    if argv[0] == "--version":
+        from app.core.version import version
+
+        print(f"prefixrag {version()}")
+        return 0
     if argv[0] not in COMMANDS:
         print(f"error: unknown command {argv[0]!r}\n{usage()}", file=sys.stderr)
         return 2

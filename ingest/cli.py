@@ -14,6 +14,8 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from app.core.version import add_version
+
 if TYPE_CHECKING:
     from app.core.settings import Settings
 
@@ -35,7 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="also delete documents not found under PATHs (the collection mirrors them)")
     parser.add_argument("--dry-run", action="store_true", help="report what would change; write nothing")
     parser.add_argument("--json", action="store_true", help="print the summary as one JSON object on stdout")
-    return parser
+    return add_version(parser)
 
 
 def settings_from(args: argparse.Namespace) -> Settings:

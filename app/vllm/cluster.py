@@ -19,6 +19,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from app.core.version import add_version
 from app.vllm.launcher import has_cuda
 from app.vllm.process import Child, app_child, chroma_child, vllm_argv
 
@@ -130,7 +131,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--chroma-path", type=Path, default=Path("data/chroma-server"), help="the Chroma server's data")
     p.add_argument("--ingest", type=Path, nargs="*", default=[], help="folders to ingest before serving")
     p.add_argument("--logs", type=Path, default=Path("data/cluster-logs"), help="one log file per server here")
-    return p.parse_args(argv)
+    return add_version(p).parse_args(argv)
 
 
 def serve(env: dict[str, str]) -> int:

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 from app.core.settings import Settings, VLLMServerSettings, overridden
+from app.core.version import add_version
 from app.vllm.entry import PRIME_ENV
 
 TEST_MODEL_NAME = "prefixrag-test-model"
@@ -128,7 +129,7 @@ def parse_args(argv: list[str] | None) -> tuple[VLLMServerSettings, bool]:
     parser.add_argument("--dev-mode", action="store_true", help="enable /reset_prefix_cache (benchmarks)")
     parser.add_argument("--dry-run", action="store_true", help="print the command, do not run it")
     parser.add_argument("extra", nargs=argparse.REMAINDER, help="after --: passed to vLLM verbatim")
-    args = parser.parse_args(argv)
+    args = add_version(parser).parse_args(argv)
     flags = {f"vllm_server.{k}": v for k, v in vars(args).items() if v is not False and k not in ("extra", "dry_run")}
     if args.extra:
         flags["vllm_server.extra_args"] = [a for a in args.extra if a != "--"]

@@ -15,6 +15,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from app.core.version import add_version
+
 TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "special_tokens_map.json")
 # A plain role-tagged template: every role header is fixed text, so prompts differ only where content does.
 CHAT_TEMPLATE = (
@@ -79,7 +81,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, required=True, help="folder to write (config, tokenizer)")
     parser.add_argument("--shape", choices=sorted(SHAPES), default="tiny", help="model dimensions (default tiny)")
     parser.add_argument("--max-model-len", type=int, default=32768, help="max_position_embeddings (default 32768)")
-    args = parser.parse_args(argv)
+    args = add_version(parser).parse_args(argv)
     print(write_test_model(args.out, args.max_model_len, args.shape))
 
 

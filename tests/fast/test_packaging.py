@@ -1,5 +1,5 @@
 """The package as users install it: the wheel carries the prompts and the page, the console script dispatches
-to every entry point, and each entry point answers --help without starting anything."""
+to every entry point, and each entry point answers --help and --version without starting anything."""
 
 from __future__ import annotations
 
@@ -30,7 +30,18 @@ def test_every_entry_point_answers_help_and_exits(argv):
     result = subprocess.run([sys.executable, *argv, "--help"], capture_output=True, text=True, timeout=120,
                             cwd=ROOT)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.startswith("usage: ") and "--" in result.stdout
+    assert result.stdout.startswith("usage: ") and "--version" in result.stdout
+
+
+@pytest.mark.parametrize("argv", [["-m", "app"], ["-m", "ingest"], ["-m", "app.vllm_server"], ["-m", "app.cluster"],
+                                  ["-m", "app.cli"], ["-m", "app.cli", "serve"]])
+def test_every_entry_point_says_its_version(argv):
+    from importlib import metadata
+
+    result = subprocess.run([sys.executable, *argv, "--version"], capture_output=True, text=True, timeout=120,
+                            cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().endswith(" " + metadata.version("prefixrag")), result.stdout
 
 
 def test_the_console_script_refuses_an_unknown_command():
