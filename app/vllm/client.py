@@ -11,6 +11,7 @@ from typing import Any
 import httpx
 import openai
 import orjson
+from asgi_correlation_id import correlation_id
 from openai import AsyncOpenAI, DefaultAsyncHttpxClient
 
 from app.core.errors import BadRequest
@@ -29,6 +30,7 @@ from app.vllm.wire import (
     wire,
 )
 
+REQUEST_ID_HEADER = "X-Request-Id"  # vLLM takes it as the request's id (its own is this plus a unique suffix)
 # Idle connections to vLLM are dropped after 2 s, before vLLM's (uvicorn's) 5 s keep-alive closes them: with
 # httpx's own 5 s, a request sent on a connection idle for ~5 s can meet vLLM closing it and fail as "not
 # reachable" (the likely cause of one 503, with vLLM up, under load in bench.live_traffic).
@@ -82,9 +84,12 @@ class LLMClient:
         """Keyword arguments for ``chat.completions.create``: the single definition of a vLLM request.
         ``priority``: vLLM's scheduling priority (lower first; users 0), for background work; ``sampling``:
         further vLLM sampling parameters (``RAG_SAMPLING__EXTRA_SAMPLING``)."""
+        headers = {self.settings.affinity_header: prefix_key}
+        if (request_id := correlation_id.get()) is not None:  # the user's request: vLLM logs and aborts it by this
+            headers[REQUEST_ID_HEADER] = request_id
         request: dict[str, Any] = {
             "model": self.model, "messages": messages, "max_tokens": max_tokens, "temperature": temperature,
-            "stream": stream, "extra_headers": {self.settings.affinity_header: prefix_key},
+            "stream": stream, "extra_headers": headers,
         }
         if stream:
             request["stream_options"] = {"include_usage": True}

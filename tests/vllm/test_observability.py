@@ -4,6 +4,7 @@ no access lines for successful probes."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -45,7 +46,9 @@ def test_every_route_is_counted_by_method_and_status_streams_included_and_has_a_
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="k", max_retries=0, timeout=60)
         chunks = list(client.chat.completions.create(model="prefixrag", stream=True, max_tokens=4,
                                                      messages=[{"role": "user", "content": "What is a compass?"}]))
-        after = http_requests(httpx.get(f"{server.url}/metrics", headers=KEY, timeout=10).text)
+        exposed = httpx.get(f"{server.url}/metrics", headers=KEY, timeout=10).text
+        after = http_requests(exposed)
+    assert "process_resident_memory_bytes" in exposed and "process_cpu_seconds_total" in exposed
     counted = {key: value - before.get(key, 0.0) for key, value in after.items()}
     assert (ok.status_code, bad.status_code, keyless.status_code) == (200, 400, 401) and chunks
     assert counted[("/ask", "POST", "200")] == 1 and counted[("/ask", "POST", "400")] == 1
@@ -57,10 +60,13 @@ def test_every_route_is_counted_by_method_and_status_streams_included_and_has_a_
     assert keyless.headers["x-request-id"]
 
 
-def test_the_log_has_the_request_id_on_each_line_one_summary_per_answer_and_no_probe_noise(collections, vllm_url):
-    port = free_port()
+def test_the_log_has_the_request_id_on_each_line_one_summary_per_answer_and_no_probe_noise(collections, vllm_url,
+                                                                                           tmp_path):
+    """... and the id goes on to vLLM with the request (``X-Request-Id``: vLLM's own logs and ids carry it)."""
+    port, sent = free_port(), tmp_path / "sent.jsonl"
     env = os.environ | {"RAG_VLLM_URL": vllm_url, "RAG_CHROMA_PATH": str(collections), "RAG_COLLECTION": "facts",
-                        "RAG_LIMITS__MAX_TOKENS": "4", "RAG_CONTEXT__HOTNESS_DIR": "", "PYTHONUNBUFFERED": "1"}
+                        "RAG_LIMITS__MAX_TOKENS": "4", "RAG_CONTEXT__HOTNESS_DIR": "", "PYTHONUNBUFFERED": "1",
+                        "RAG_VLLM__CAPTURE_PATH": str(sent)}
     process = subprocess.Popen([sys.executable, "-m", "app", "--port", str(port)], cwd=ROOT, env=env,
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
@@ -78,3 +84,5 @@ def test_the_log_has_the_request_id_on_each_line_one_summary_per_answer_and_no_p
     assert len(summary) == 1 and "[trace-7]" in summary[0] and "cached=" in summary[0], log[-3000:]
     assert any("[trace-7]" in line and '"POST /ask HTTP/1.1" 200' in line for line in lines), log[-3000:]
     assert not any('"GET /healthz' in line for line in lines), "successful probes are not logged"
+    answers = [json.loads(line) for line in sent.read_text().splitlines()]
+    assert [request["headers"].get("X-Request-Id") for request in answers][-1] == "trace-7", answers[-1]["headers"]
