@@ -7,6 +7,7 @@ import pytest
 from app.serve.app import create_app
 from tests.support.corpora import app_settings
 from tests.support.servers import AppServer, browser_page
+from tests.support.vllm_state import IGNORE_EOS, LONG, running, wait_until
 
 pytestmark = pytest.mark.vllm
 
@@ -54,3 +55,36 @@ def test_ask_on_the_page_streams_an_answer_with_sources(page, collections, vllm_
     server_stopped_page.click("#send")
     page.locator(".turn.error").wait_for(timeout=30_000)
     assert "Error" in page.locator(".turn.error .text").inner_text()
+
+
+def test_one_question_at_a_time_a_stop_that_aborts_and_a_conversation_that_survives_a_reload(page, collections,
+                                                                                             vllm_url, embedder):
+    settings = app_settings(collections, vllm_url, collection="project-docs", top_k=3, max_tokens=LONG)
+    settings.sampling.extra_sampling = IGNORE_EOS
+    with AppServer(create_app(settings, embedder=embedder)) as server:
+        server.wait_ready()
+        server.wait_warmed(timeout=120, done=True)
+        page.goto(server.url + "/")
+        assert page.get_by_label("Your question").is_visible()  # the textarea is labelled for a screen reader
+        page.fill("#question", "How does prefixrag order retrieved chunks?")
+        page.press("#question", "Enter")
+        answer = page.locator(".turn.assistant").last
+        page.wait_for_function("() => document.querySelector('.turn.assistant .text').textContent.length > 20",
+                               timeout=60_000)
+        page.fill("#question", "A second question while the first streams")
+        page.press("#question", "Enter")  # ignored: one answer at a time
+        assert page.locator(".turn.user").count() == 1 and page.locator("#send").is_disabled()
+        wait_until(lambda: running(vllm_url) == 1, 30, "the answer decoding in vLLM")
+        page.click("#stop")
+        answer.and_(page.locator(".stopped")).wait_for(timeout=10_000)
+        wait_until(lambda: running(vllm_url) == 0, 20, "vLLM aborting the stopped answer")
+        assert page.locator("#send").is_enabled() and not page.locator("#stop").is_visible()
+        partial = answer.locator(".text").inner_text()
+        page.reload()
+        page.locator(".turn.assistant").first.wait_for()
+        assert page.locator(".turn.user").count() == 1  # kept in the browser, the partial answer with it
+        assert page.locator(".turn.assistant .text").inner_text() == partial
+        page.click("#new-chat")
+        page.reload()
+        page.wait_for_load_state()
+        assert page.locator(".turn").count() == 0

@@ -1,18 +1,39 @@
-// prefixrag chat page: keeps the conversation, streams answers from /v1/chat/completions (SSE), shows the
-// sources (each opens to its snippet; citations in the answer link to them) and the cached-token count under each
-// answer, and shows every error in the conversation.
+// prefixrag chat page: keeps the conversation (in this browser too: it survives a reload until "New chat"),
+// streams answers from /v1/chat/completions (SSE) one question at a time, with a Stop button that aborts the
+// request, shows the sources (each opens to its snippet; citations in the answer link to them) and the
+// cached-token count under each answer, and shows every error in the conversation.
 "use strict";
 const log = document.getElementById("log");
 const form = document.getElementById("ask");
 const input = document.getElementById("question");
 const send = document.getElementById("send");
+const stop = document.getElementById("stop");
 const keyInput = document.getElementById("api-key");
-let messages = [];
+const SAVED = "prefixrag-chat";
+let turns = [];  // {role, content, sources?, usage?}: what the page shows and the API is sent
+let asking = null;  // the AbortController of the answer streaming now (one at a time)
 
 keyInput.value = localStorage.getItem("prefixrag-key") || "";
 keyInput.addEventListener("change", () => localStorage.setItem("prefixrag-key", keyInput.value));
-document.getElementById("new-chat").addEventListener("click", () => { messages = []; log.replaceChildren(); });
-input.addEventListener("keydown", (e) => { if (e.key === "Enter" && !e.shiftKey) { e.preventDefault(); form.requestSubmit(); } });
+document.getElementById("new-chat").addEventListener("click", () => {
+  if (asking) asking.abort();
+  turns = []; localStorage.removeItem(SAVED); log.replaceChildren(); input.focus();
+});
+input.addEventListener("keydown", (e) => {
+  if (e.key === "Enter" && !e.shiftKey) { e.preventDefault(); if (!asking) form.requestSubmit(); }
+});
+stop.addEventListener("click", () => { if (asking) asking.abort(); });
+
+function save() { localStorage.setItem(SAVED, JSON.stringify(turns)); }
+
+function restore() {
+  try { turns = JSON.parse(localStorage.getItem(SAVED) || "[]"); } catch { turns = []; }
+  for (const t of turns) {
+    const turn = addTurn(t.role, t.content);
+    if (t.role === "assistant") showSources(turn, t.sources, t.usage);
+    if (t.stopped) turn.classList.add("stopped");
+  }
+}
 
 function addTurn(role, text) {
   const turn = document.createElement("section");
@@ -77,16 +98,17 @@ function showError(turn, message) {
 }
 
 async function ask(question) {
-  messages.push({ role: "user", content: question });
+  turns.push({ role: "user", content: question });
   addTurn("user", question);
   const turn = addTurn("assistant", "");
   const text = turn.querySelector(".text");
   const headers = { "Content-Type": "application/json" };
   if (keyInput.value) headers.Authorization = `Bearer ${keyInput.value}`;
+  const messages = turns.map(({ role, content }) => ({ role, content }));
   let answer = "", sources = null, usage = null;
   try {
     const response = await fetch("/v1/chat/completions", {
-      method: "POST", headers,
+      method: "POST", headers, signal: asking.signal,
       body: JSON.stringify({ messages, stream: true, stream_options: { include_usage: true } }),
     });
     if (!response.ok) {
@@ -115,19 +137,28 @@ async function ask(question) {
         if (chunk.usage) usage = chunk.usage;
       }
     }
-    messages.push({ role: "assistant", content: answer });
+    turns.push({ role: "assistant", content: answer, sources, usage });
     showSources(turn, sources, usage);
   } catch (err) {
-    messages.pop();  // the question was not answered: let the user ask it again
-    showError(turn, err.message);
+    if (err.name === "AbortError" && answer) {  // stopped mid-answer: what came so far stays in the conversation
+      turns.push({ role: "assistant", content: answer, stopped: true });
+      turn.classList.add("stopped");
+    } else {
+      turns.pop();  // the question was not answered: let the user ask it again
+      if (err.name === "AbortError") turn.remove(); else showError(turn, err.message);
+    }
   }
+  save();
 }
 
 form.addEventListener("submit", async (e) => {
   e.preventDefault();
   const question = input.value.trim();
-  if (!question) return;
+  if (!question || asking) return;
   input.value = "";
-  send.disabled = true;
-  try { await ask(question); } finally { send.disabled = false; input.focus(); }
+  asking = new AbortController();
+  send.disabled = true; stop.hidden = false;
+  try { await ask(question); } finally { asking = null; send.disabled = false; stop.hidden = true; input.focus(); }
 });
+
+restore();
