@@ -17,7 +17,8 @@ def test_the_wheel_ships_prompts_page_and_console_script(tmp_path):
                     str(tmp_path), str(ROOT)], check=True, capture_output=True, timeout=300)
     wheel = zipfile.ZipFile(next(tmp_path.glob("prefixrag-*.whl")))
     names = set(wheel.namelist())
-    static = {f"app/serve/static/{name}" for name in ("index.html", "app.js", "style.css")}
+    static = {f"app/serve/static/{name}" for name in ("index.html", "app.js", "style.css", "vendor/marked.umd.js",
+                                                      "vendor/purify.min.js", "vendor/LICENSE-marked")}
     assert {"prompts/rag.toml", *static} <= names
     entry_points = wheel.read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
     assert "prefixrag = app.cli:main" in entry_points

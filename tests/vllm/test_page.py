@@ -44,6 +44,19 @@ def test_ask_on_the_page_streams_an_answer_with_sources(page, collections, vllm_
             return [text.querySelectorAll("a.cite").length, source.open, text.textContent];
         }""")
         assert linked == [1, True, "See [docs/a.md::1] and [elsewhere]."]
+        # An answer is markdown, rendered and sanitised: what a document smuggles into it never runs.
+        rendered = page.evaluate("""() => {
+            const text = document.createElement("div"), source = document.createElement("details");
+            document.body.append(text, source);
+            renderAnswer(text, "**Anchors** hold [docs/a.md::1].\\n\\n- one\\n- two <img src=x onerror=window.pwned=1>"
+                               + "<script>window.pwned=2</script>");
+            linkCitations(text, new Map([["docs/a.md::1", source]]));
+            return [text.querySelector("strong").textContent, text.querySelectorAll("li").length,
+                    text.querySelector("strong + a.cite, a.cite") !== null,
+                    text.querySelector("[onerror], script") === null];
+        }""")
+        page.wait_for_timeout(200)
+        assert rendered == ["Anchors", 2, True, True] and page.evaluate("() => window.pwned") is None
         page.fill("#question", "And where does the question go?")
         page.click("#send")
         page.locator(".turn.assistant").nth(1).locator(".meta").wait_for(timeout=60_000)

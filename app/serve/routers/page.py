@@ -8,7 +8,8 @@ from fastapi import APIRouter
 from fastapi.responses import FileResponse
 
 STATIC = Path(__file__).resolve().parent.parent / "static"
-FILES = {"app.js": "text/javascript", "style.css": "text/css"}
+FILES = {"app.js": "text/javascript", "style.css": "text/css",  # vendored: static/vendor/README.md
+         "vendor/marked.umd.js": "text/javascript", "vendor/purify.min.js": "text/javascript"}
 
 router = APIRouter(tags=["page"])
 
@@ -18,7 +19,7 @@ async def index() -> FileResponse:
     return FileResponse(STATIC / "index.html", media_type="text/html")
 
 
-@router.get("/static/{name}", include_in_schema=False)
+@router.get("/static/{name:path}", include_in_schema=False)
 async def static(name: str) -> FileResponse:
     from app.core.errors import NotFound
 

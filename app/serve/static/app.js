@@ -40,7 +40,8 @@ function addTurn(role, text) {
   turn.className = `turn ${role}`;
   turn.innerHTML = `<div class="who"></div><div class="text"></div>`;
   turn.querySelector(".who").textContent = role === "user" ? "you" : "prefixrag";
-  turn.querySelector(".text").textContent = text;
+  if (role === "assistant") renderAnswer(turn.querySelector(".text"), text);
+  else turn.querySelector(".text").textContent = text;
   log.appendChild(turn);
   log.scrollTop = log.scrollHeight;
   return turn;
@@ -78,23 +79,35 @@ function showSources(turn, sources, usage) {
   }
 }
 
+// Citations are linked in the text nodes of the rendered answer, never inside its markup.
 function linkCitations(text, byId) {
-  const parts = text.textContent.split(/\[([^\[\]]+)\]/);  // odd indices: what was inside brackets
-  if (parts.length === 1) return;
-  text.replaceChildren(...parts.map((part, i) => {
-    if (i % 2 === 0 || !byId.has(part)) return document.createTextNode(i % 2 ? `[${part}]` : part);
-    const link = document.createElement("a");
-    link.href = "#";
-    link.className = "cite";
-    link.textContent = `[${part}]`;
-    link.addEventListener("click", (e) => { e.preventDefault(); const d = byId.get(part); d.open = true; d.scrollIntoView({ block: "nearest" }); });
-    return link;
-  }));
+  const walker = document.createTreeWalker(text, NodeFilter.SHOW_TEXT);
+  const nodes = [];
+  while (walker.nextNode()) if (/\[[^\[\]]+\]/.test(walker.currentNode.nodeValue)) nodes.push(walker.currentNode);
+  for (const node of nodes) {
+    const parts = node.nodeValue.split(/\[([^\[\]]+)\]/);  // odd indices: what was inside brackets
+    node.replaceWith(...parts.map((part, i) => {
+      if (i % 2 === 0 || !byId.has(part)) return document.createTextNode(i % 2 ? `[${part}]` : part);
+      const link = document.createElement("a");
+      link.href = "#";
+      link.className = "cite";
+      link.textContent = `[${part}]`;
+      link.addEventListener("click", (e) => { e.preventDefault(); const d = byId.get(part); d.open = true; d.scrollIntoView({ block: "nearest" }); });
+      return link;
+    }));
+  }
+}
+
+// An answer is markdown from the model, which may repeat whatever a document says: rendered, then sanitised.
+function renderAnswer(element, markdown) {
+  element.innerHTML = DOMPurify.sanitize(marked.parse(markdown, { gfm: true, breaks: true }));
 }
 
 function showError(turn, message) {
   turn.classList.add("error");
-  turn.querySelector(".text").textContent += (turn.querySelector(".text").textContent ? "\n" : "") + `Error: ${message}`;
+  const line = document.createElement("div");
+  line.textContent = `Error: ${message}`;
+  turn.querySelector(".text").appendChild(line);
 }
 
 async function ask(question) {
@@ -131,7 +144,7 @@ async function ask(question) {
         const chunk = JSON.parse(data);
         if (chunk.error) throw new Error(chunk.error.message);
         for (const choice of chunk.choices || []) {
-          if (choice.delta && choice.delta.content) { answer += choice.delta.content; text.textContent = answer; }
+          if (choice.delta && choice.delta.content) { answer += choice.delta.content; renderAnswer(text, answer); }
         }
         if (chunk.sources) sources = chunk.sources;
         if (chunk.usage) usage = chunk.usage;
