@@ -1,5 +1,5 @@
 """``python -m app``: serve ``create_app(Settings())`` with uvicorn. Every setting comes from the environment
-(``RAG_*``, ``.env``); the flags below override the few a person changes at the command line."""
+(``PREFIXRAG_*``, ``.env``); the flags below override the few a person changes at the command line."""
 
 from __future__ import annotations
 
@@ -26,27 +26,27 @@ if TYPE_CHECKING:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m app", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     epilog="Settings: see docs/configuration.md (e.g. RAG_VLLM_URL, RAG_CHROMA_PATH, "
-                                            "RAG_COLLECTION, RAG_API_KEY).")
-    parser.add_argument("--host", help="bind address (RAG_SERVICE__HOST, default 127.0.0.1)")
-    parser.add_argument("--port", type=int, help="port (RAG_SERVICE__PORT, default 8080)")
+                                     epilog="Settings: see docs/configuration.md (e.g. PREFIXRAG_VLLM_URL, "
+                                            "PREFIXRAG_CHROMA_PATH, PREFIXRAG_COLLECTION, PREFIXRAG_API_KEY).")
+    parser.add_argument("--host", help="bind address (PREFIXRAG_SERVICE__HOST, default 127.0.0.1)")
+    parser.add_argument("--port", type=int, help="port (PREFIXRAG_SERVICE__PORT, default 8080)")
     parser.add_argument("--workers", metavar="N",
                         help="processes that rank questions beside the serving one: encoder, Chroma query, BM25 "
-                             "(RAG_RETRIEVAL__WORKERS; default auto: one per two cores, at most 8, on 8 cores or "
+                             "(PREFIXRAG_RETRIEVAL__WORKERS; default auto: one per two cores, at most 8, on 8 cores or "
                              "more; 0: rank in the serving process)")
     parser.add_argument("--reload", action="store_true", help="restart on code changes (development)")
     return add_version(parser).parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
-    from app.core.settings import Settings, environment_of, invalid_setting, overridden
+    from app.core.settings import Settings, UnknownSetting, environment_of, invalid_setting, overridden
     from app.serve.observability import configure_logging
 
     args = parse_args(argv)
     flags = {"service.host": args.host, "service.port": args.port, "retrieval.workers": args.workers}
     try:
         settings = overridden(Settings(), flags)
-    except ValidationError as exc:
+    except (ValidationError, UnknownSetting) as exc:
         print(f"error: {invalid_setting(exc)}", file=sys.stderr)
         return 2
     logs = configure_logging(repeats_s=settings.service.log_repeats_s)

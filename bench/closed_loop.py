@@ -1,7 +1,7 @@
 """The clients of ``bench.throughput``: closed loops (each client sends its next request when its last one
 ended) of three arms over the same questions -- the app over HTTP (``/ask``), naive RAG (its own dense top-5
 retrieval in this process, the LangChain layout, straight to vLLM) and vLLM alone replaying the exact requests
-the app sent (captured at the app's client seam, ``RAG_VLLM__CAPTURE_PATH``) -- and what each answer cost."""
+the app sent (captured at the app's client seam, ``PREFIXRAG_VLLM__CAPTURE_PATH``) -- and what each answer cost."""
 
 from __future__ import annotations
 

@@ -56,7 +56,7 @@ def environment() -> dict:
         "gpu": gpu_name(),
         # The settings this run's processes were given beyond the defaults (a key's value is not written).
         "settings_env": {name: "(set)" if "KEY" in name else value
-                         for name, value in sorted(os.environ.items()) if name.startswith("RAG_")},
+                         for name, value in sorted(os.environ.items()) if name.startswith("PREFIXRAG_")},
     }
 
 

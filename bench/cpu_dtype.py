@@ -1,5 +1,5 @@
 """``python -m bench.cpu_dtype``: what vLLM's CPU backend pays for each dtype on this machine. For each model and
-dtype, vLLM is started through the project's launcher (``RAG_VLLM_SERVER__DTYPE``), then uncached prompts of
+dtype, vLLM is started through the project's launcher (``PREFIXRAG_VLLM_SERVER__DTYPE``), then uncached prompts of
 about ``--words`` words are sent to ``/v1/completions`` with one output token, each different from its first
 word on so nothing is served from the prefix cache; the median is prefill's cost. ``auto`` is what the launcher
 chooses here (README, "Serving vLLM": float32 on an x86 CPU without native bf16)."""
@@ -48,7 +48,7 @@ def measure(model: str, dtype: str, args: argparse.Namespace, tmp: Path) -> dict
 
     port = free_port()
     log = tmp / f"vllm-{model}-{dtype}.log"
-    child = Child("vLLM", vllm_argv(port, *MODELS[model]), log, {"RAG_VLLM_SERVER__DTYPE": dtype})
+    child = Child("vLLM", vllm_argv(port, *MODELS[model]), log, {"PREFIXRAG_VLLM_SERVER__DTYPE": dtype})
     child.start().wait_for(f"http://127.0.0.1:{port}/v1/models", 600)
     try:
         tokens, timings = prefill_ms(f"http://127.0.0.1:{port}", args.words, args.repeats)

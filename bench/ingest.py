@@ -31,7 +31,7 @@ def corpus_bytes(root: Path) -> int:
 
 def cli_reingest_seconds(data: Path, chroma: Path, collection: str) -> float:
     """Wall time of ``python -m ingest DATA`` on the already-ingested store (it must write nothing)."""
-    env = os.environ | {"RAG_CHROMA_PATH": str(chroma), "RAG_COLLECTION": collection}
+    env = os.environ | {"PREFIXRAG_CHROMA_PATH": str(chroma), "PREFIXRAG_COLLECTION": collection}
     started = time.perf_counter()
     done = subprocess.run([sys.executable, "-m", "ingest", str(data), "--json"], env=env, capture_output=True,
                           text=True, check=True)

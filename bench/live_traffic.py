@@ -97,8 +97,8 @@ def run_with_app(args, vllm_url: str, collection: str, drawn: tuple[list[str], l
     from app.vllm.process import app_child, free_port
 
     port = free_port()
-    env = {"RAG_VLLM_URL": vllm_url, "RAG_CHROMA_PATH": str(args.chroma), "RAG_COLLECTION": collection,
-           "RAG_CONTEXT__HOTNESS_DIR": str(tmp / "hotness")}
+    env = {"PREFIXRAG_VLLM_URL": vllm_url, "PREFIXRAG_CHROMA_PATH": str(args.chroma),
+           "PREFIXRAG_COLLECTION": collection, "PREFIXRAG_CONTEXT__HOTNESS_DIR": str(tmp / "hotness")}
     started = time.monotonic()
     app = app_child(tmp / "app.log", env, port).start()
     renice(5)

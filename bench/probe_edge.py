@@ -132,9 +132,9 @@ def main(argv: list[str] | None = None) -> int:
         tmp = Path(tmp_name)
         result = {"big_document": big_document_ingest(tmp)}
         port = free_port()
-        env = {"RAG_API_KEY": KEY, "RAG_VLLM_URL": vllm, "RAG_CHROMA_PATH": str(tmp / "big-chroma"),
-               "RAG_COLLECTION": "big", "RAG_LIMITS__MAX_TOKENS": "8",
-               "RAG_CONTEXT__HOTNESS_DIR": str(tmp / "hot")}
+        env = {"PREFIXRAG_API_KEY": KEY, "PREFIXRAG_VLLM_URL": vllm, "PREFIXRAG_CHROMA_PATH": str(tmp / "big-chroma"),
+               "PREFIXRAG_COLLECTION": "big", "PREFIXRAG_LIMITS__MAX_TOKENS": "8",
+               "PREFIXRAG_CONTEXT__HOTNESS_DIR": str(tmp / "hot")}
         app = app_child(tmp / "app.log", env, port).start()
         try:
             app.wait_for(f"http://127.0.0.1:{port}/healthz", 300)

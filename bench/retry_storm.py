@@ -65,7 +65,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--obeying", type=int, default=8, help="clients that wait each 429's Retry-After")
     parser.add_argument("--duration-s", type=float, default=60.0)
     parser.add_argument("--max-tokens", type=int, default=32, help="answer tokens per question")
-    parser.add_argument("--app-env", action="append", default=[], metavar="RAG_X=V",
+    parser.add_argument("--app-env", action="append", default=[], metavar="PREFIXRAG_X=V",
                         help="a setting for the app, besides the benchmark's own (repeatable)")
     parser.add_argument("--out", type=Path, default=Path("bench/results/retry-storm.json"))
     parser.add_argument("--app-log", type=Path, help="keep the app's log here (default: discarded)")
@@ -156,8 +156,9 @@ def run(args: argparse.Namespace, vllm_url: str, tmp: Path) -> dict:
     dataset = load_dataset(args.data)
     ingest(args, dataset)
     port = free_port()
-    env = {"RAG_VLLM_URL": vllm_url, "RAG_CHROMA_PATH": str(args.chroma), "RAG_COLLECTION": dataset.collection,
-           "RAG_CONTEXT__HOTNESS_DIR": str(tmp / "hotness")} | dict(pair.split("=", 1) for pair in args.app_env)
+    env = {"PREFIXRAG_VLLM_URL": vllm_url, "PREFIXRAG_CHROMA_PATH": str(args.chroma),
+           "PREFIXRAG_COLLECTION": dataset.collection, "PREFIXRAG_CONTEXT__HOTNESS_DIR": str(tmp / "hotness")
+           } | dict(pair.split("=", 1) for pair in args.app_env)
     app = app_child(args.app_log or tmp / "app.log", env, port).start()
     renice(5)  # the clients at vLLM's nice, as in bench.live_traffic: remote clients would not take the app's cores
     try:

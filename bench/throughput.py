@@ -62,7 +62,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--duration-s", type=float, default=30.0, help="an arm stops sending after this long")
     parser.add_argument("--top-k", type=int, default=5, help="k of naive's retrieval")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--app-env", action="append", default=[], metavar="RAG_X=V",
+    parser.add_argument("--app-env", action="append", default=[], metavar="PREFIXRAG_X=V",
                         help="a setting for the app, besides the benchmark's own (repeatable)")
     parser.add_argument("--out", type=Path, default=Path("bench/results/throughput.json"))
     parser.add_argument("--app-log", type=Path, help="keep the app's log here (default: discarded)")
@@ -105,10 +105,10 @@ def run(args: argparse.Namespace, dataset, vllm_url: str, tmp: Path) -> dict:
     from app.vllm.process import app_child, free_port
 
     port, capture = free_port(), tmp / "capture.jsonl"
-    app_env = APP_ENV_DEFAULTS | {"RAG_VLLM_URL": vllm_url, "RAG_CHROMA_PATH": str(args.chroma),
-                                  "RAG_COLLECTION": dataset.collection,
-                                  "RAG_CONTEXT__HOTNESS_DIR": str(tmp / "hotness"),
-                                  "RAG_VLLM__CAPTURE_PATH": str(capture)}
+    app_env = APP_ENV_DEFAULTS | {"PREFIXRAG_VLLM_URL": vllm_url, "PREFIXRAG_CHROMA_PATH": str(args.chroma),
+                                  "PREFIXRAG_COLLECTION": dataset.collection,
+                                  "PREFIXRAG_CONTEXT__HOTNESS_DIR": str(tmp / "hotness"),
+                                  "PREFIXRAG_VLLM__CAPTURE_PATH": str(capture)}
     app_env |= dict(pair.split("=", 1) for pair in args.app_env)
     app = app_child(args.app_log or tmp / "app.log", app_env, port).start()
     try:
@@ -118,7 +118,7 @@ def run(args: argparse.Namespace, dataset, vllm_url: str, tmp: Path) -> dict:
         cells = asyncio.run(measure(args, dataset, url, vllm_url, capture, app.pid))
     finally:
         app.stop()
-    given = {name: value for name, value in app_env.items() if name not in ("RAG_VLLM__CAPTURE_PATH",)}
+    given = {name: value for name, value in app_env.items() if name not in ("PREFIXRAG_VLLM__CAPTURE_PATH",)}
     return {"dataset": dataset.name, "config": {k: str(v) for k, v in vars(args).items()}, "app_env": given,
             "warmup": warmup, "results": cells}
 

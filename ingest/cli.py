@@ -28,7 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("paths", nargs="+", type=Path, metavar="PATH",
                         help="files or folders (.md .markdown .txt .rst .html .htm .pdf .jsonl)")
-    parser.add_argument("--collection", help="Chroma collection name (default: RAG_COLLECTION or 'docs')")
+    parser.add_argument("--collection", help="Chroma collection name (default: PREFIXRAG_COLLECTION or 'docs')")
     where = parser.add_mutually_exclusive_group()
     where.add_argument("--chroma-path", type=Path, help="on-disk Chroma directory (default ./data/chroma)")
     where.add_argument("--chroma-url", help="Chroma server URL, e.g. http://127.0.0.1:8001")

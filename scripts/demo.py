@@ -40,8 +40,8 @@ def main() -> int:
     log_dir.mkdir(parents=True, exist_ok=True)
     model = ["--test-model"] if args.test_model else ["--model", "smollm2"]
     vllm_url = f"http://127.0.0.1:{args.vllm_port}"
-    env = {"RAG_VLLM_URL": vllm_url + "/v1", "RAG_LIMITS__MAX_TOKENS": "80",
-           "RAG_SAMPLING__REPETITION_PENALTY": "1.1", "RAG_TOP_K": "3"}
+    env = {"PREFIXRAG_VLLM_URL": vllm_url + "/v1", "PREFIXRAG_LIMITS__MAX_TOKENS": "80",
+           "PREFIXRAG_SAMPLING__REPETITION_PENALTY": "1.1", "PREFIXRAG_TOP_K": "3"}
     vllm = Child("vLLM", vllm_argv(args.vllm_port, *model), log_dir / "vllm.log")
     app = app_child(log_dir / "app.log", env, args.port)
     try:

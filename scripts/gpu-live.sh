@@ -15,7 +15,7 @@ CORPUS="$DATA/python-3.11-docs-html/files"
 TAG=${TAG:-h200}
 mkdir -p "$DEST"
 . scripts/gpu-vllm.sh
-RAG_EMBEDDING__DEVICE=cuda python3 -m ingest "$CORPUS" --chroma-path "$CHROMA" --collection live-python-3.11-docs-html
+PREFIXRAG_EMBEDDING__DEVICE=cuda python3 -m ingest "$CORPUS" --chroma-path "$CHROMA" --collection live-python-3.11-docs-html
 if [[ -z "${INGEST_ONLY:-}" ]]; then
   python3 -m bench.live_traffic --data "$CORPUS" --chroma "$CHROMA" --vllm-url "$URL/v1" \
     --out "$DEST/live-traffic-$TAG.json" --app-log "$DEST/live-traffic-$TAG-app.log" "$@"

@@ -18,12 +18,19 @@ ROOT = Path(__file__).resolve().parent.parent
 PAGE = ROOT / "docs" / "configuration.md"
 HEAD = """# Configuration
 
-One pydantic-settings object, `app/core/settings.py`: environment variables under the prefix `RAG_`, nested sections
-joined by `__` (`RAG_LIMITS__MAX_TOKENS=128`), a `.env` file in the working directory read too, and every value
-validated at start-up (a bad one stops the process with one line naming it). The everyday ones also have a flat
-alias (`RAG_VLLM_URL`, `RAG_CHROMA_PATH`, `RAG_COLLECTION`, `RAG_MODEL`, `RAG_TOP_K`, `RAG_API_KEY`).
-`python -m app --help`, `python -m ingest --help` and `python -m app.vllm_server --help` list the flags that override
-the few settings a person changes at the command line.
+One pydantic-settings object, `app/core/settings.py`: environment variables under the prefix `PREFIXRAG_`, nested
+sections joined by `__` (`PREFIXRAG_LIMITS__MAX_TOKENS=128`), a `.env` file in the working directory read too, and
+every value validated at start-up (a bad one stops the process with one line naming it; so does a name under the
+prefix that is no setting, with the closest valid one: `PREFIXRAG_SERVICE__PROT` → `PREFIXRAG_SERVICE__PORT`). The
+everyday ones also have a flat alias (`PREFIXRAG_VLLM_URL`, `PREFIXRAG_CHROMA_PATH`, `PREFIXRAG_COLLECTION`,
+`PREFIXRAG_MODEL`, `PREFIXRAG_TOP_K`, `PREFIXRAG_API_KEY`). `python -m app --help`, `python -m ingest --help` and
+`python -m app.vllm_server --help` list the flags that override the few settings a person changes at the command
+line.
+
+The prefix was `RAG_` before release 0.2, which Open WebUI's own settings share (`RAG_TOP_K`,
+`RAG_EMBEDDING_MODEL`): this release still reads a `RAG_` name of one of these settings, where its `PREFIXRAG_` name
+is not set, and logs a warning naming the new one; other `RAG_` names are left alone. The next release reads
+`PREFIXRAG_` only.
 
 This page is written by `scripts/settings_doc.py` from the settings' own descriptions.
 """
@@ -46,7 +53,7 @@ def rows(model: type[BaseModel], prefix: str) -> list[tuple[str, str, str]]:
 
 def page() -> str:
     sections: dict[str, list[tuple[str, str, str]]] = {}
-    for variable, default, description in rows(Settings, "RAG_"):
+    for variable, default, description in rows(Settings, "PREFIXRAG_"):
         section = variable.split("__")[0] if "__" in variable else "flat aliases"
         sections.setdefault(section, []).append((variable, default, description))
     parts = [HEAD]

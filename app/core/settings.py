@@ -1,7 +1,8 @@
-"""The one settings object of prefixrag (env prefix ``RAG_``, nested with ``__``, ``.env`` supported).
+"""The one settings object of prefixrag (env prefix ``PREFIXRAG_``, nested with ``__``, ``.env`` supported;
+unknown names refused and the old ``PREFIXRAG_`` prefix read for this release: ``app.core.settings_names``).
 
-Flat aliases (docs/configuration.md: ``RAG_CHROMA_PATH``, ``RAG_VLLM_URL``, ``RAG_MODEL`` ...) are read too,
-so the common knobs need no double underscores.
+Flat aliases (docs/configuration.md: ``PREFIXRAG_CHROMA_PATH``, ``PREFIXRAG_VLLM_URL``, ``PREFIXRAG_MODEL`` ...)
+are read too, so the common knobs need no double underscores.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from pydantic import AliasChoices, BaseModel, Field, ValidationError, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from app.core.settings_corpus import (
     PACKAGED_EMBEDDER,
@@ -21,6 +22,7 @@ from app.core.settings_corpus import (
     PageSettings,
     RetrievalSettings,
 )
+from app.core.settings_names import PREFIX, UnknownSetting, adopted, known_names
 from app.core.settings_serving import (
     ContextSettings,
     RequestLimits,
@@ -36,13 +38,13 @@ __all__ = [
     "PACKAGED_EMBEDDER", "ChromaSettings", "ChunkSettings", "ContextSettings", "EmbeddingSettings", "IngestSettings",
     "PageSettings", "RequestLimits", "RetrievalSettings", "SamplingSettings", "ServiceSettings", "Settings",
     "TrafficSettings", "VLLMServerSettings", "VLLMSettings", "WarmupSettings", "environment_of", "invalid_setting",
-    "overridden", "setting_named",
+    "overridden", "setting_named", "UnknownSetting",
 ]
 
 
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(
-        env_prefix="RAG_", env_nested_delimiter="__", env_file=".env", extra="ignore", populate_by_name=True
+        env_prefix=PREFIX, env_nested_delimiter="__", env_file=".env", extra="ignore", populate_by_name=True
     )
 
     chroma: ChromaSettings = Field(default_factory=ChromaSettings, description="Vector store.")
@@ -61,15 +63,29 @@ class Settings(BaseSettings):
     traffic: TrafficSettings = Field(default_factory=TrafficSettings, description="Admission control, shutdown.")
 
     # Flat aliases for the everyday knobs; applied over the nested values when set.
-    chroma_path: Path | None = Field(None, validation_alias=AliasChoices("RAG_CHROMA_PATH"),
+    chroma_path: Path | None = Field(None, validation_alias=AliasChoices(f"{PREFIX}CHROMA_PATH"),
                                      description="= chroma.path")
-    chroma_url: str | None = Field(None, validation_alias=AliasChoices("RAG_CHROMA_URL"), description="= chroma.url")
-    collection: str | None = Field(None, validation_alias=AliasChoices("RAG_COLLECTION"),
+    chroma_url: str | None = Field(None, validation_alias=AliasChoices(f"{PREFIX}CHROMA_URL"),
+                                   description="= chroma.url")
+    collection: str | None = Field(None, validation_alias=AliasChoices(f"{PREFIX}COLLECTION"),
                                    description="= chroma.collection")
-    vllm_url: str | None = Field(None, validation_alias=AliasChoices("RAG_VLLM_URL"), description="= vllm.url")
-    model: str | None = Field(None, validation_alias=AliasChoices("RAG_MODEL"), description="= vllm.model")
-    top_k: int | None = Field(None, validation_alias=AliasChoices("RAG_TOP_K"), description="= limits.top_k")
-    api_key: str | None = Field(None, validation_alias=AliasChoices("RAG_API_KEY"), description="= service.api_key")
+    vllm_url: str | None = Field(None, validation_alias=AliasChoices(f"{PREFIX}VLLM_URL"), description="= vllm.url")
+    model: str | None = Field(None, validation_alias=AliasChoices(f"{PREFIX}MODEL"), description="= vllm.model")
+    top_k: int | None = Field(None, validation_alias=AliasChoices(f"{PREFIX}TOP_K"), description="= limits.top_k")
+    api_key: str | None = Field(None, validation_alias=AliasChoices(f"{PREFIX}API_KEY"),
+                                description="= service.api_key")
+
+    @classmethod
+    def settings_customise_sources(cls, settings_cls: type[BaseSettings], init_settings: PydanticBaseSettingsSource,
+                                   env_settings: PydanticBaseSettingsSource,
+                                   dotenv_settings: PydanticBaseSettingsSource,
+                                   file_secret_settings: PydanticBaseSettingsSource,
+                                   ) -> tuple[PydanticBaseSettingsSource, ...]:
+        """The environment and ``.env`` as read, checked and with the old prefix adopted (``settings_names``)."""
+        known = known_names(settings_cls)
+        for source, where in ((env_settings, "environment"), (dotenv_settings, ".env")):
+            source.env_vars = adopted(source.env_vars, known, where)  # type: ignore[attr-defined]
+        return init_settings, env_settings, dotenv_settings, file_secret_settings
 
     @model_validator(mode="after")
     def _apply_flat_aliases(self) -> Settings:
@@ -113,8 +129,9 @@ def overridden(settings: Settings, values: Mapping[str, object]) -> Settings:
 
 
 def environment_of(values: Mapping[str, object]) -> dict[str, str]:
-    """The same overrides as ``RAG_*`` variables (for a child process, or a --reload worker, to read)."""
-    return {f"RAG_{name.replace('.', '__').upper()}": str(value) for name, value in values.items() if value is not None}
+    """The same overrides as ``PREFIXRAG_*`` variables (for a child process, or a --reload worker, to read)."""
+    return {f"{PREFIX}{name.replace('.', '__').upper()}": str(value) for name, value in values.items()
+            if value is not None}
 
 
 def setting_named(field: str) -> str:
@@ -128,7 +145,9 @@ def setting_named(field: str) -> str:
     raise ValueError(f"no setting named {field!r}")
 
 
-def invalid_setting(exc: ValidationError) -> str:
+def invalid_setting(exc: ValidationError | UnknownSetting) -> str:
     """A settings error as the one line every entry point prints: which setting, what is wrong with it."""
+    if isinstance(exc, UnknownSetting):
+        return str(exc)
     first = exc.errors()[0]
     return f"invalid setting {'.'.join(map(str, first['loc']))}: {first['msg']}"

@@ -93,7 +93,7 @@ class VLLMServerSettings(BaseModel):
 
 
 class RequestLimits(BaseModel):
-    """What a request may ask for, and the defaults it gets (``RAG_LIMITS__``); beyond a limit: 400."""
+    """What a request may ask for, and the defaults it gets (``PREFIXRAG_LIMITS__``); beyond a limit: 400."""
 
     top_k: int = Field(5, ge=1, le=100, description="Chunks retrieved per question.")
     max_top_k: int = Field(100, ge=1, le=100, description="Largest top_k a request may ask for (at most 100).")
@@ -108,7 +108,7 @@ class RequestLimits(BaseModel):
 
 
 class ContextSettings(BaseModel):
-    """How retrieved chunks become the prompt's context (``RAG_CONTEXT__``)."""
+    """How retrieved chunks become the prompt's context (``PREFIXRAG_CONTEXT__``)."""
 
     strategy: Literal["canonical", "document", "reuse", "corpus", "auto"] = Field(
         "auto", description="How retrieved context becomes the prompt (docs/design.md: context strategies).")
@@ -132,7 +132,7 @@ class ContextSettings(BaseModel):
 
 
 class WarmupSettings(BaseModel):
-    """Pre-warm: what it may send, how fast, at which priority (``RAG_WARMUP__``)."""
+    """Pre-warm: what it may send, how fast, at which priority (``PREFIXRAG_WARMUP__``)."""
 
     kv_share: float = Field(
         0.8, gt=0, le=1, description="Share of vLLM's KV cache that unit pre-warm may fill (what it fills stays "
@@ -154,7 +154,7 @@ class WarmupSettings(BaseModel):
 
 
 class SamplingSettings(BaseModel):
-    """How answers are sampled unless a request says otherwise (``RAG_SAMPLING__``)."""
+    """How answers are sampled unless a request says otherwise (``PREFIXRAG_SAMPLING__``)."""
 
     temperature: float = Field(0.0, ge=0, le=2, description="Sampling temperature.")
     repetition_penalty: float | None = Field(

@@ -1,5 +1,5 @@
 """Context strategies: how the retrieved chunks become the prompt's context, so that most of every prompt is
-a prefix vLLM already holds. Each is a setting (RAG_CONTEXT__STRATEGY) and a benchmark mode.
+a prefix vLLM already holds. Each is a setting (PREFIXRAG_CONTEXT__STRATEGY) and a benchmark mode.
 
 - canonical: the top-k chunks sorted by stable id. Identical sets share a prefix; in a shuffled stream rare.
 - document: the top hit's stable unit (its whole parent document, or an aligned window of it) when it holds most

@@ -1,4 +1,4 @@
-"""Retrieval in worker processes (``RAG_RETRIEVAL__WORKERS``, ``python -m app --workers N``): the question
+"""Retrieval in worker processes (``PREFIXRAG_RETRIEVAL__WORKERS``, ``python -m app --workers N``): the question
 encoder, Chroma's query and BM25 are the CPU-bound part of a request, and in one process they share one GIL
 with the HTTP serving, the relay of vLLM's tokens and the prompt's arrangement. Each worker ranks with its own
 encoder, collection handle and BM25 index; everything with state stays in the serving process (admission,

@@ -108,7 +108,7 @@ async def build_services(settings: Settings, *, embedder: Embedder | None = None
     from app.core.embedder import limit_threads
 
     templates = PromptTemplates.load(settings.service.prompts_dir)
-    # Torch fixes a thread's pool size on first use, hence the initializer (RAG_EMBEDDING__QUERY_THREADS).
+    # Torch fixes a thread's pool size on first use, hence the initializer (PREFIXRAG_EMBEDDING__QUERY_THREADS).
     threads = settings.retrieval.threads or min(8, os.cpu_count() or 2)
     executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="retrieve", initializer=limit_threads,
                                   initargs=(settings.embedding.query_threads,))

@@ -163,7 +163,7 @@ class Upstream:
         if wanted and wanted not in names:
             raise UpstreamUnavailable(f"vLLM serves {names}, not the configured model {wanted!r}")
         if not wanted and len(names) != 1:
-            raise UpstreamUnavailable(f"vLLM serves {names}: set RAG_MODEL to pick one")
+            raise UpstreamUnavailable(f"vLLM serves {names}: set PREFIXRAG_MODEL to pick one")
         card = next(m for m in models if m["id"] == (wanted or names[0]))
         caches = [parse_metric_labels(text, "vllm:cache_config_info") or {} for text in metrics]
         cache = caches[0]

@@ -38,12 +38,12 @@ MetricsDep = Annotated[ServiceMetrics, Depends(get_metrics)]
 
 # In the OpenAPI schema as the bearer scheme; absent or not "Bearer" gives None, and the check below answers 401
 # in OpenAI's error shape (HTTPBearer's own error would be FastAPI's, and 403).
-bearer = HTTPBearer(auto_error=False, description="RAG_API_KEY, when the service is started with one.")
+bearer = HTTPBearer(auto_error=False, description="PREFIXRAG_API_KEY, when the service is started with one.")
 
 
 async def holds_key(settings: SettingsDep,
                     credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]) -> bool:
-    """The caller may pass: no RAG_API_KEY is set, or it sent that key (compared in constant time)."""
+    """The caller may pass: no PREFIXRAG_API_KEY is set, or it sent that key (compared in constant time)."""
     expected = settings.service.api_key
     return not expected or (credentials is not None and key_matches(credentials.credentials, expected))
 
@@ -54,7 +54,7 @@ HoldsKey = Annotated[bool, Depends(holds_key)]
 async def require_api_key(allowed: HoldsKey) -> None:
     """Requests with a body were already checked at the edge (``app.serve.edge``), before their body was read."""
     if not allowed:
-        raise Unauthorized("missing or invalid API key: send 'Authorization: Bearer <RAG_API_KEY>'")
+        raise Unauthorized("missing or invalid API key: send 'Authorization: Bearer <PREFIXRAG_API_KEY>'")
 
 
 Authorized = Depends(require_api_key)

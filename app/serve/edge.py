@@ -34,13 +34,13 @@ def bearer_ok(authorization: str, expected: str) -> bool:
 
 
 def unauthorized() -> JSONResponse:
-    return JSONResponse(error_body("missing or invalid API key: send 'Authorization: Bearer <RAG_API_KEY>'",
+    return JSONResponse(error_body("missing or invalid API key: send 'Authorization: Bearer <PREFIXRAG_API_KEY>'",
                                    "authentication_error", None, "invalid_api_key"),
                         status_code=401, headers={"WWW-Authenticate": "Bearer"})
 
 
 def too_large(limit: int) -> HTTPException:
-    return HTTPException(413, f"request body over the limit of {limit} bytes (RAG_SERVICE__MAX_BODY_BYTES)")
+    return HTTPException(413, f"request body over the limit of {limit} bytes (PREFIXRAG_SERVICE__MAX_BODY_BYTES)")
 
 
 def overloaded(scope: Scope) -> Overloaded | None:

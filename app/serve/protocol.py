@@ -54,7 +54,7 @@ class AskRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)  # "stream": 0 or "top_k": "5" are errors, not guesses
     question: Text = Field(description="The question, in natural language (some non-space text).",
                            json_schema_extra={"minLength": 1, "pattern": r"\S"})  # checked by the service
-    top_k: TopK | None = Field(None, description="Chunks to retrieve (1..RAG_LIMITS__MAX_TOP_K, "
+    top_k: TopK | None = Field(None, description="Chunks to retrieve (1..PREFIXRAG_LIMITS__MAX_TOP_K, "
                               "at most 100).")
     filters: AskFilters | None = None
     max_tokens: AnswerTokens | None = Field(None, description="Cap on answer tokens.")

@@ -83,7 +83,7 @@ class LLMClient:
                      sampling: dict[str, Any] | None = None, **options: Any) -> dict[str, Any]:
         """Keyword arguments for ``chat.completions.create``: the single definition of a vLLM request.
         ``priority``: vLLM's scheduling priority (lower first; users 0), for background work; ``sampling``:
-        further vLLM sampling parameters (``RAG_SAMPLING__EXTRA_SAMPLING``)."""
+        further vLLM sampling parameters (``PREFIXRAG_SAMPLING__EXTRA_SAMPLING``)."""
         headers = {self.settings.affinity_header: prefix_key}
         if (request_id := correlation_id.get()) is not None:  # the user's request: vLLM logs and aborts it by this
             headers[REQUEST_ID_HEADER] = request_id

@@ -74,7 +74,7 @@ class Cluster:
 
     @property
     def router_url(self) -> str:
-        """What the app's RAG_VLLM_URL is set to."""
+        """What the app's PREFIXRAG_VLLM_URL is set to."""
         return f"http://127.0.0.1:{self.router_port}/v1"
 
     @property
@@ -82,7 +82,8 @@ class Cluster:
         return None if self.chroma_port is None else f"http://127.0.0.1:{self.chroma_port}"
 
     def app_env(self) -> dict[str, str]:
-        return {"RAG_VLLM_URL": self.router_url} | ({"RAG_CHROMA_URL": self.chroma_url} if self.chroma_url else {})
+        chroma = {"PREFIXRAG_CHROMA_URL": self.chroma_url} if self.chroma_url else {}
+        return {"PREFIXRAG_VLLM_URL": self.router_url} | chroma
 
     def __enter__(self) -> Cluster:
         try:
@@ -135,7 +136,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def serve(env: dict[str, str]) -> int:
-    """The app in the foreground; on Ctrl-C/SIGTERM it is sent SIGTERM, so it drains (RAG_TRAFFIC__DRAIN_S)."""
+    """The app in the foreground; on Ctrl-C/SIGTERM it is sent SIGTERM, so it drains (PREFIXRAG_TRAFFIC__DRAIN_S)."""
     return app_child(None, env).start().wait()
 
 
@@ -155,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{cluster.chroma_url}", flush=True)
             for folder in args.ingest:
                 subprocess.run([sys.executable, "-m", "ingest", str(folder)], env=env, check=True)
-            return serve(env | {"RAG_SERVICE__PORT": str(args.port)})
+            return serve(env | {"PREFIXRAG_SERVICE__PORT": str(args.port)})
     except KeyboardInterrupt:
         print("[prefixrag] stopped", file=sys.stderr)
         return 130

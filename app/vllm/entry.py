@@ -11,7 +11,7 @@ prompt. With one API server (the default) it is installed in this process, which
 (``run_server``); with ``--api-server-count N`` this process launches as ``vllm serve`` does (the engine apart, N
 API servers sharing the port) and each API server installs it as it starts (``app.vllm.api_servers``).
 
-``app.vllm.launcher`` starts vLLM through this module; ``RAG_VLLM_SERVER__DETOKENIZER_PRIME_TOKENS=0`` leaves vLLM
+``app.vllm.launcher`` starts vLLM through this module; ``PREFIXRAG_VLLM_SERVER__DETOKENIZER_PRIME_TOKENS=0`` leaves vLLM
 as it is.
 """
 

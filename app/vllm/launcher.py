@@ -14,7 +14,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from app.core.settings import Settings, VLLMServerSettings, overridden
+from app.core.settings import Settings, UnknownSetting, VLLMServerSettings, invalid_setting, overridden
 from app.core.version import add_version
 from app.vllm.entry import PRIME_ENV
 
@@ -43,7 +43,7 @@ def resolve_model(cfg: VLLMServerSettings) -> tuple[str, str, list[str]]:
         folder = convert_smollm2(cfg.cache_dir / "smollm2-135m-instruct")
         return str(folder), cfg.served_model_name or "SmolLM2-135M-Instruct", []
     if not cfg.model:
-        raise SystemExit("error: no model: set RAG_VLLM_SERVER__MODEL, pass --model, or use --test-model")
+        raise SystemExit("error: no model: set PREFIXRAG_VLLM_SERVER__MODEL, pass --model, or use --test-model")
     return cfg.model, cfg.served_model_name or cfg.model, []
 
 
@@ -136,19 +136,25 @@ def parse_args(argv: list[str] | None) -> tuple[VLLMServerSettings, bool]:
     return overridden(settings, flags).vllm_server, args.dry_run
 
 
-def main(argv: list[str] | None = None) -> None:
-    cfg, dry_run = parse_args(argv)
+def main(argv: list[str] | None = None) -> int:
+    from pydantic import ValidationError
+
+    try:
+        cfg, dry_run = parse_args(argv)
+    except (ValidationError, UnknownSetting) as exc:
+        print(f"error: {invalid_setting(exc)}", file=sys.stderr)
+        return 2
     gpu = has_cuda()
     argv_vllm, env = build_command(cfg, gpu=gpu)
     nice = 0 if gpu else cfg.cpu_nice
     printable = " ".join(f"{k}={v}" for k, v in env.items()) + " " + shlex.join(argv_vllm)
     print(f"[prefixrag] starting vLLM{f' (nice +{nice})' if nice else ''}: {printable.strip()}", flush=True)
     if dry_run:
-        return
+        return 0
     if nice:
         os.nice(nice)
     os.execvpe(argv_vllm[0], argv_vllm, os.environ | env)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -105,9 +105,9 @@ class Child:
 
 
 def app_child(log_path: Path | None, env: dict[str, str], port: int | None = None) -> Child:
-    """The query service (``python -m app``) as a child, configured by ``env`` (``RAG_*``); ``port`` sets
-    RAG_SERVICE__PORT. Not started yet."""
-    env = env | ({"RAG_SERVICE__PORT": str(port)} if port is not None else {})
+    """The query service (``python -m app``) as a child, configured by ``env`` (``PREFIXRAG_*``); ``port`` sets
+    PREFIXRAG_SERVICE__PORT. Not started yet."""
+    env = env | ({"PREFIXRAG_SERVICE__PORT": str(port)} if port is not None else {})
     return Child("app", [sys.executable, "-m", "app"], log_path, env)
 
 

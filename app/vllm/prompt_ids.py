@@ -5,7 +5,7 @@ prompt on every request, work that grows with the prompt (measured: docs/design.
 this machine has the served model's tokenizer, the app renders the chat template itself, keeps the token ids of
 each prompt's head (the context's opening units, which every question about them shares whatever hits follow;
 else all up to the question), tokenizes only the rest and sends the ids to ``/v1/completions``. Opt-in
-(``RAG_VLLM__TOKEN_ID_PROMPTS``).
+(``PREFIXRAG_VLLM__TOKEN_ID_PROMPTS``).
 
 Exact or unused: a head is used only after its ids, computed here, equalled vLLM's own ``/tokenize`` of a whole
 prompt, in the background (the request that first meets a head goes as a chat, as before); one disagreement turns
@@ -157,7 +157,7 @@ class PromptIds:
     async def _load(self, path: str | None) -> None:
         if not path or not Path(path).is_dir():
             log.info("token-id prompts off: the served model's tokenizer is not on this machine (%s); "
-                     "RAG_VLLM__TOKENIZER names a local copy", path)
+                     "PREFIXRAG_VLLM__TOKENIZER names a local copy", path)
             return
         loop = asyncio.get_running_loop()
         try:

@@ -23,25 +23,25 @@ from tests.support.servers import AppServer, browser_page, static_site
 
 
 def test_an_empty_hotness_dir_turns_persistence_off(monkeypatch):
-    monkeypatch.setenv("RAG_CONTEXT__HOTNESS_DIR", "")  # was Path(""): hotness files written into the cwd
+    monkeypatch.setenv("PREFIXRAG_CONTEXT__HOTNESS_DIR", "")  # was Path(""): hotness files written into the cwd
     assert Settings(_env_file=None).context.hotness_dir is None
 
 
 def test_the_vllm_url_may_be_given_with_or_without_v1(monkeypatch):
     for given in ("http://vllm:8000", "http://vllm:8000/", "http://vllm:8000/v1", "http://vllm:8000/v1/"):
-        monkeypatch.setenv("RAG_VLLM_URL", given)
+        monkeypatch.setenv("PREFIXRAG_VLLM_URL", given)
         assert Settings(_env_file=None).vllm.url == "http://vllm:8000/v1"
-    monkeypatch.setenv("RAG_VLLM_URL", "vllm:8000")
+    monkeypatch.setenv("PREFIXRAG_VLLM_URL", "vllm:8000")
     with pytest.raises(ValidationError, match="http://"):
         Settings(_env_file=None)
 
 
 def test_cors_origins_are_a_comma_list_or_json_and_a_bad_one_fails_at_start(monkeypatch):
     for given in ("https://chat.example, http://localhost:3000/", '["https://chat.example", "http://localhost:3000"]'):
-        monkeypatch.setenv("RAG_SERVICE__CORS_ORIGINS", given)
+        monkeypatch.setenv("PREFIXRAG_SERVICE__CORS_ORIGINS", given)
         assert Settings(_env_file=None).service.cors_origins == ["https://chat.example", "http://localhost:3000"]
     for bad in ("chat.example", "https://chat.example/app", '["https://chat.example"'):
-        monkeypatch.setenv("RAG_SERVICE__CORS_ORIGINS", bad)
+        monkeypatch.setenv("PREFIXRAG_SERVICE__CORS_ORIGINS", bad)
         with pytest.raises(ValidationError):  # it would never match what a browser sends: say so at start-up
             Settings(_env_file=None)
 
@@ -62,7 +62,7 @@ def test_the_api_key_is_a_bearer_scheme_in_the_openapi_schema_and_is_enforced(no
         ready_open, ready_keyed = httpx.get(server.url + "/readyz").json(), httpx.get(server.url + "/readyz",
                                                                                         headers=key).json()
     assert schema["components"]["securitySchemes"]["HTTPBearer"] == {
-        "type": "http", "scheme": "bearer", "description": "RAG_API_KEY, when the service is started with one."}
+        "type": "http", "scheme": "bearer", "description": "PREFIXRAG_API_KEY, when the service is started with one."}
     for path, method in (("/ask", "post"), ("/v1/chat/completions", "post"), ("/v1/models", "get"),
                          ("/metrics", "get")):
         assert schema["paths"][path][method]["security"] == [{"HTTPBearer": []}], path

@@ -70,7 +70,7 @@ def test_a_question_answered_while_a_reload_loads_the_pages_is_not_remembered_un
         monkeypatch.setattr(pages, "current", slow_to_load)
         (docs / "extra.md").write_text("A lighthouse keeper's log, a new note.\n")
         assert run_cli(str(docs), "--chroma-path", str(chroma), "--collection", "reload",
-                       env={"RAG_PAGES__TOKENS": "512"}).returncode == 0
+                       env={"PREFIXRAG_PAGES__TOKENS": "512"}).returncode == 0
         while metric_total(httpx.get(server.url + "/metrics", timeout=PROBE_TIMEOUT).text,
                            "prefixrag_collection_reloads_total") < 1:
             time.sleep(0.1)

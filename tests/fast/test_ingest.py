@@ -149,7 +149,7 @@ def test_bad_files_are_reported_and_skipped_and_good_ones_ingested(tmp_path, set
     (corpus / "mixed.jsonl").write_text('{"id": "ok1", "text": "A good record."}\nnot json\n{"id": "x"}\n')
     settings = settings_factory()
     result = run_cli(str(corpus), "--chroma-path", str(settings.chroma.path), "--json",
-                     env={"RAG_INGEST__MAX_FILE_MB": "1"})
+                     env={"PREFIXRAG_INGEST__MAX_FILE_MB": "1"})
     assert result.returncode == 1, result.stderr
     summary = json.loads(result.stdout)
     reasons = {f["path"]: f["reason"] for f in summary["failed"]}
@@ -182,7 +182,7 @@ def test_second_writer_waits_then_fails_clearly(tmp_path, settings_factory):
     settings.chroma.path.mkdir(parents=True)
     with FileLock(str(settings.chroma.path / ".prefixrag-ingest.lock")):
         result = run_cli(str(corpus), "--chroma-path", str(settings.chroma.path),
-                         env={"RAG_INGEST__LOCK_TIMEOUT_S": "1"})
+                         env={"PREFIXRAG_INGEST__LOCK_TIMEOUT_S": "1"})
     assert result.returncode == 3
     assert "another ingest is writing" in result.stderr
 

@@ -44,7 +44,7 @@ def test_sigkill_mid_ingest_then_rerun_equals_clean_ingest(tmp_path, settings_fa
     process = subprocess.Popen(
         [sys.executable, "-m", "ingest", str(corpus), "--chroma-path", str(crashed.chroma.path),
          "--collection", crashed.chroma.collection], cwd=ROOT,
-        env=os.environ | {"RAG_INGEST__WRITE_BATCH": "16"}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        env=os.environ | {"PREFIXRAG_INGEST__WRITE_BATCH": "16"}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 120
     while stored_rows(crashed.chroma.path / "chroma.sqlite3") < 48:
         assert process.poll() is None, f"ingest ended before it could be killed: {process.stderr.read()}"
@@ -74,7 +74,7 @@ def test_without_a_terminal_ingest_prints_progress_lines_and_ctrl_c_is_one_line(
     process = subprocess.Popen(
         [sys.executable, "-m", "ingest", str(corpus), "--chroma-path", str(interrupted.chroma.path),
          "--collection", interrupted.chroma.collection], cwd=ROOT, text=True,
-        env=os.environ | {"RAG_INGEST__WRITE_BATCH": "16", "RAG_INGEST__PROGRESS_S": "0.01"},
+        env=os.environ | {"PREFIXRAG_INGEST__WRITE_BATCH": "16", "PREFIXRAG_INGEST__PROGRESS_S": "0.01"},
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
         # A suite started in the background by a shell (`cmd &`) inherits SIGINT ignored, and so would ingest:
         # give it the default a terminal's Ctrl-C meets.

@@ -40,8 +40,9 @@ def test_one_kind_is_logged_once_then_counted_then_its_end_said(caplog):
 
 def test_an_outage_under_four_clients_is_a_handful_of_lines_not_one_per_request(tmp_path):
     port, log = free_port(), tmp_path / "app.log"
-    env = {"RAG_VLLM_URL": f"http://127.0.0.1:{free_port()}/v1", "RAG_CHROMA_PATH": str(tmp_path / "chroma"),
-           "RAG_SERVICE__LOG_REPEATS_S": "1", "RAG_VLLM__RETRY_INTERVAL_S": "30"}
+    env = {"PREFIXRAG_VLLM_URL": f"http://127.0.0.1:{free_port()}/v1",
+           "PREFIXRAG_CHROMA_PATH": str(tmp_path / "chroma"), "PREFIXRAG_SERVICE__LOG_REPEATS_S": "1",
+           "PREFIXRAG_VLLM__RETRY_INTERVAL_S": "30"}
     app = app_child(log, env, port).start()
     url = f"http://127.0.0.1:{port}"
     sent, stop = [], threading.Event()

@@ -1,4 +1,4 @@
-"""Ranking in worker processes (``RAG_RETRIEVAL__WORKERS``) over a real collection, with the real encoder: the
+"""Ranking in worker processes (``PREFIXRAG_RETRIEVAL__WORKERS``) over a real collection, with the real encoder: the
 workers rank as the serving process does, a burst of questions is answered in batches, a worker killed under
 load is started again, and closing the pool ends every worker."""
 

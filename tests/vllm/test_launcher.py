@@ -17,7 +17,7 @@ def test_the_cpu_server_runs_native_matmuls_on_this_machine(vllm_server):
 
 @pytest.mark.vllm
 def test_several_api_servers_answer_on_one_port_each_with_the_detokenizer_fix(tmp_path):
-    """RAG_VLLM_SERVER__API_SERVER_COUNT=2: the launcher starts vLLM as `vllm serve --api-server-count 2` does,
+    """PREFIXRAG_VLLM_SERVER__API_SERVER_COUNT=2: the launcher starts vLLM as `vllm serve --api-server-count 2` does,
     and each of the two front-end processes installs the tail-primed detokenizer before it serves."""
     import httpx
 
@@ -25,7 +25,7 @@ def test_several_api_servers_answer_on_one_port_each_with_the_detokenizer_fix(tm
 
     log = tmp_path / "vllm.log"
     with LocalVLLM(log, max_model_len=2048, startup_timeout_s=600,
-                   env={"RAG_VLLM_SERVER__API_SERVER_COUNT": "2", "VLLM_CPU_KVCACHE_SPACE": "1"}) as url:
+                   env={"PREFIXRAG_VLLM_SERVER__API_SERVER_COUNT": "2", "VLLM_CPU_KVCACHE_SPACE": "1"}) as url:
         for _ in range(4):  # answered whichever front end the kernel hands the connection to
             reply = httpx.post(f"{url}/completions", json={"model": "prefixrag-test-model", "prompt": "hello",
                                                            "max_tokens": 2}, timeout=120)

@@ -64,9 +64,10 @@ def test_the_log_has_the_request_id_on_each_line_one_summary_per_answer_and_no_p
                                                                                            tmp_path):
     """... and the id goes on to vLLM with the request (``X-Request-Id``: vLLM's own logs and ids carry it)."""
     port, sent = free_port(), tmp_path / "sent.jsonl"
-    env = os.environ | {"RAG_VLLM_URL": vllm_url, "RAG_CHROMA_PATH": str(collections), "RAG_COLLECTION": "facts",
-                        "RAG_LIMITS__MAX_TOKENS": "4", "RAG_CONTEXT__HOTNESS_DIR": "", "PYTHONUNBUFFERED": "1",
-                        "RAG_VLLM__CAPTURE_PATH": str(sent)}
+    env = os.environ | {"PREFIXRAG_VLLM_URL": vllm_url, "PREFIXRAG_CHROMA_PATH": str(collections),
+                        "PREFIXRAG_COLLECTION": "facts", "PREFIXRAG_LIMITS__MAX_TOKENS": "4",
+                        "PREFIXRAG_CONTEXT__HOTNESS_DIR": "", "PYTHONUNBUFFERED": "1",
+                        "PREFIXRAG_VLLM__CAPTURE_PATH": str(sent)}
     process = subprocess.Popen([sys.executable, "-m", "app", "--port", str(port)], cwd=ROOT, env=env,
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:

@@ -33,7 +33,7 @@ async def until(condition, timeout: float = 30.0) -> None:
 
 
 class Client:
-    """The app's own service graph (``build_services``) over the real vLLM; ``tokenizer``: RAG_VLLM__TOKENIZER."""
+    """The app's own service graph (``build_services``) over the real vLLM; ``tokenizer``: PREFIXRAG_VLLM__TOKENIZER."""
 
     @classmethod
     async def open(cls, vllm_url: str, embedder, tokenizer: str | None = None, enabled: bool = True) -> Client:

@@ -124,9 +124,10 @@ def test_sigterm_drains_then_ends_each_stream_with_a_terminal_event_and_exits_le
     ``shutting_down`` on /ask; an error chunk, then ``[DONE]``, on chat), not cut off mid-body; one line each in
     the log and no traceback; the app exits within the drain time and vLLM is left with nothing of ours."""
     port = free_port()
-    env = os.environ | {"RAG_VLLM_URL": vllm_url, "RAG_CHROMA_PATH": str(collections), "RAG_COLLECTION": "facts",
-                        "RAG_SERVICE__PORT": str(port), "RAG_TRAFFIC__DRAIN_S": "3",
-                        "RAG_SAMPLING__EXTRA_SAMPLING": '{"ignore_eos": true}'}
+    env = os.environ | {"PREFIXRAG_VLLM_URL": vllm_url, "PREFIXRAG_CHROMA_PATH": str(collections),
+                        "PREFIXRAG_COLLECTION": "facts", "PREFIXRAG_SERVICE__PORT": str(port),
+                        "PREFIXRAG_TRAFFIC__DRAIN_S": "3",
+                        "PREFIXRAG_SAMPLING__EXTRA_SAMPLING": '{"ignore_eos": true}'}
     app = subprocess.Popen([sys.executable, "-m", "app"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                            stderr=subprocess.STDOUT, text=True)
     ends: dict[str, list[str]] = {}
@@ -170,8 +171,8 @@ def test_an_idle_connection_outlives_the_idle_limit_of_httpxs_pool(collections, 
     """uvicorn closes idle connections after 5 s, exactly when httpx's pool (and the openai client's) may reuse
     one: under load a client then got a reset instead of a status (bench.live_traffic, one ReadError)."""
     port = free_port()
-    env = os.environ | {"RAG_VLLM_URL": vllm_url, "RAG_CHROMA_PATH": str(collections), "RAG_COLLECTION": "facts",
-                        "RAG_SERVICE__PORT": str(port)}
+    env = os.environ | {"PREFIXRAG_VLLM_URL": vllm_url, "PREFIXRAG_CHROMA_PATH": str(collections),
+                        "PREFIXRAG_COLLECTION": "facts", "PREFIXRAG_SERVICE__PORT": str(port)}
     app = subprocess.Popen([sys.executable, "-m", "app"], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
                            stderr=subprocess.DEVNULL)
     try:

@@ -45,9 +45,10 @@ def test_two_workers_one_prewarm_global_admission_summed_metrics_and_a_draining_
                                                                                     tmp_path):
     log = tmp_path / "app.log"
     port = free_port()
-    env = {"RAG_VLLM_URL": vllm_url, "RAG_CHROMA_PATH": str(collections), "RAG_COLLECTION": "facts",
-           "RAG_RETRIEVAL__WORKERS": "2", "RAG_TRAFFIC__MAX_IN_FLIGHT": "1", "RAG_TRAFFIC__DRAIN_S": "120",
-           "RAG_SAMPLING__EXTRA_SAMPLING": json.dumps(IGNORE_EOS)}
+    env = {"PREFIXRAG_VLLM_URL": vllm_url, "PREFIXRAG_CHROMA_PATH": str(collections), "PREFIXRAG_COLLECTION": "facts",
+           "PREFIXRAG_RETRIEVAL__WORKERS": "2", "PREFIXRAG_TRAFFIC__MAX_IN_FLIGHT": "1",
+           "PREFIXRAG_TRAFFIC__DRAIN_S": "120",
+           "PREFIXRAG_SAMPLING__EXTRA_SAMPLING": json.dumps(IGNORE_EOS)}
     app = app_child(log, env, port).start()
     url = f"http://127.0.0.1:{port}"
     try:

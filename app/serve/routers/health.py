@@ -23,7 +23,7 @@ async def healthz() -> dict[str, Any]:
 async def readyz(service: ServiceDep, allowed: HoldsKey) -> JSONResponse:
     """Ready = it can answer now: vLLM answers and the collection is readable (pre-warm's progress is reported
     under ``warmup``, never waited for; the load under ``traffic``). Open to
-    probes without a key; with RAG_API_KEY set, only a caller holding the key sees the details (vLLM's URL,
+    probes without a key; with PREFIXRAG_API_KEY set, only a caller holding the key sees the details (vLLM's URL,
     model, window, KV size, warm-up progress)."""
     status = service.readiness()
     body = status.to_json() if allowed else {"ready": status.ready, "reason": "ready" if status.ready else "not ready"}
@@ -32,6 +32,6 @@ async def readyz(service: ServiceDep, allowed: HoldsKey) -> JSONResponse:
 
 @router.get("/metrics", dependencies=[Authorized], response_class=Response,
             responses={200: {"content": {CONTENT_TYPE_LATEST.split(";")[0]: {}}, "description": "Prometheus text"},
-                       401: {"model": ErrorResponse, "description": "RAG_API_KEY is set and the key is wrong"}})
+                       401: {"model": ErrorResponse, "description": "PREFIXRAG_API_KEY is set and the key is wrong"}})
 async def metrics(registry: MetricsDep) -> Response:
     return Response(generate_latest(registry.registry), media_type=CONTENT_TYPE_LATEST)
