@@ -29,6 +29,7 @@ from app.rag.retriever import Ranking, Retriever
 from app.runtime.worker_channel import Channel, ChannelClosed, Message, serve_channel
 
 log = logging.getLogger("prefixrag.retrieval")
+DIED = "a retrieval worker died; it is being restarted, retry shortly"
 BATCH = 16  # questions one worker encodes in one pass, at most: enough for any burst the loop hands it at once
 
 
@@ -79,6 +80,9 @@ class RetrievalPool:
         for feeder in self._feeders:
             feeder.cancel()
         await asyncio.gather(*self._feeders, return_exceptions=True)
+        while not self._asked.empty():
+            if not (asked := self._asked.get_nowait()).ranking.done():
+                asked.ranking.set_exception(StoreUnavailable("retrieval is stopping"))
         await asyncio.gather(*(channel.aclose() for channel in self._channels))
 
     def _start(self) -> None:
@@ -108,7 +112,12 @@ class RetrievalPool:
         try:
             outcomes = await channel.exchange(("rank", self.epoch, questions))
         except ChannelClosed:
-            outcomes = [StoreUnavailable("a retrieval worker died; it is being restarted, retry shortly")] * len(batch)
+            outcomes = [StoreUnavailable(DIED)] * len(batch)
+        except asyncio.CancelledError:  # the pool is closing: nobody waits on a question for ever
+            for asked in batch:
+                if not asked.ranking.done():
+                    asked.ranking.set_exception(StoreUnavailable("retrieval is stopping"))
+            raise
         for asked, outcome in zip(batch, outcomes, strict=True):
             if asked.ranking.done():
                 continue
@@ -119,7 +128,10 @@ class RetrievalPool:
 
 
 async def _prime(channel: Channel, epoch: int) -> None:
-    outcome = await channel.exchange(("prime", epoch, None))
+    try:
+        outcome = await channel.exchange(("prime", epoch, None))
+    except ChannelClosed as exc:
+        raise StoreUnavailable(DIED) from exc
     if isinstance(outcome, BaseException):
         raise outcome
     channel.primed = True
@@ -128,7 +140,7 @@ async def _prime(channel: Channel, epoch: int) -> None:
 async def _prime_logged(channel: Channel, epoch: int) -> None:
     try:
         await _prime(channel, epoch)
-    except (ServiceError, ChannelClosed) as exc:  # it ranks anyway, loading at its first question
+    except ServiceError as exc:  # it ranks anyway, loading at its first question
         log.warning("a new retrieval worker could not load its indexes: %s", exc)
 
 
