@@ -6,8 +6,10 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
+from functools import cached_property
 from typing import Any
 
+from app.core.lexical import LexicalIndex
 from app.core.settings import ChromaSettings, PageSettings, RetrievalSettings
 from app.rag.context import ContextChunk
 from app.rag.index import CollectionIndex, chroma_errors, to_chunk
@@ -67,15 +69,11 @@ class Retriever:
         lexical = self.index.lexical_index(wait=mode == "lexical") if mode != "dense" else None
         if lexical is None:
             return Ranking(self._dense(question, k, where, vector), complete=mode == "dense")
-        depth = max(k, self.retrieval.candidates)
-        sources = set(where["source"]["$in"]) if where else None
-        found = lexical.search(question, depth if mode == "hybrid" else k, sources)
         if mode == "lexical":
+            found = lexical.search(question, k, set(where["source"]["$in"]) if where else None)
             return Ranking(self.index.chunks([i for i, _ in found], [score for _, score in found]))
-        dense = self._query(question, depth, where, [], vector)  # ids only: texts are read for the fused k alone
-        fused = reciprocal_rank_fusion([dense["ids"][0], [i for i, _ in found]], self.retrieval.rrf_k)[:k]
-        kept = self.index.chunks([i for i, _ in fused], [score for _, score in fused])  # deleted since: gone
-        return Ranking([replace(chunk, rank=rank) for rank, chunk in enumerate(kept)])
+        vector = vector if vector is not None else self.embedder.embed([question])[0]
+        return self._hybrid([_Question(question, k, max(k, self.retrieval.candidates), where)], [vector], lexical)[0]
 
     def rank_batch_sync(self, questions: list[tuple[str, int, str | None]],
                         vectors: list[list[float] | None]) -> list[Ranking]:
@@ -85,11 +83,16 @@ class Retriever:
         if lexical is None:  # dense or lexical alone, or BM25 still loading: nothing to share
             return [self.rank_sync(q, k, p, vector=v) for (q, k, p), v in zip(questions, vectors, strict=True)]
         asked = [_Question(q, k, max(k, self.retrieval.candidates), self._where(p)) for q, k, p in questions]
+        return self._hybrid(asked, vectors, lexical)
+
+    def _hybrid(self, asked: list[_Question], vectors: list[list[float] | None],
+                lexical: LexicalIndex) -> list[Ranking]:
+        """Dense and BM25 rankings fused by reciprocal rank; the texts read once, for the fused top k alone."""
         dense = self._dense_ids(asked, vectors)
         fused = [reciprocal_rank_fusion([ids, [i for i, _ in lexical.search(one.question, one.depth, one.sources)]],
                                         self.retrieval.rrf_k)[:one.k] if one.sources != set() else []
                  for one, ids in zip(asked, dense, strict=True)]
-        rows = self.index.read(list({i for ranked in fused for i, _ in ranked}))
+        rows = self.index.read(list({i for ranked in fused for i, _ in ranked}))  # deleted since: gone
         return [Ranking([replace(chunk, rank=rank) for rank, chunk in enumerate(self.index.chunks(
                     [i for i, _ in ranked], [score for _, score in ranked], rows))]) for ranked in fused]
 
@@ -138,8 +141,9 @@ class _Question:
     depth: int  # candidates each ranking contributes to the fusion
     where: dict[str, Any] | None  # the source filter, as Chroma takes it
 
-    @property
+    @cached_property
     def sources(self) -> set[str] | None:
+        """The filter's sources as a set (BM25 takes them so); computed once, asked for several times."""
         return set(self.where["source"]["$in"]) if self.where else None
 
 
