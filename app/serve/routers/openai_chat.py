@@ -81,8 +81,9 @@ def served_model(body: GenerationRequest, settings: Settings) -> str:
 
 def refuse_unsupported(body: GenerationRequest) -> None:
     """A 400 naming the parameter, rather than an answer that silently ignored it."""
-    for param in body.unsupported():
-        raise BadRequest(UNSUPPORTED[param], param=param, code="unsupported_parameter")
+    params = body.unsupported()
+    if params:
+        raise BadRequest(UNSUPPORTED[params[0]], param=params[0], code="unsupported_parameter")
 
 
 UNSUPPORTED = {
