@@ -16,14 +16,6 @@ from tests.support.servers import AppServer, proxy_in_front_of, reset_prefix_cac
 pytestmark = pytest.mark.vllm
 
 
-@pytest.fixture(scope="module")
-def server(collections, vllm_url, embedder):
-    settings = app_settings(collections, vllm_url, collection="project-docs", top_k=3)
-    with AppServer(create_app(settings, embedder=embedder)) as running:
-        running.wait_ready()
-        yield running
-
-
 def client_for(server: AppServer, key: str = "unused") -> openai.OpenAI:
     return openai.OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0, timeout=120)
 

@@ -10,24 +10,12 @@ import httpx
 import openai
 import pytest
 
-from app.serve.app import create_app
-from tests.support.corpora import app_settings
-from tests.support.servers import AppServer
-
 pytestmark = pytest.mark.vllm
 QUESTION = "What does the ingest command do?"
 TOOL = {"type": "function", "function": {"name": "lookup", "parameters": {"type": "object", "properties": {}}}}
 VERDICT = {"type": "json_schema", "json_schema": {"name": "verdict", "strict": True, "schema": {
     "type": "object", "properties": {"verdict": {"enum": ["yes", "no"]}}, "required": ["verdict"],
     "additionalProperties": False}}}
-
-
-@pytest.fixture(scope="module")
-def server(collections, vllm_url, embedder):
-    settings = app_settings(collections, vllm_url, collection="project-docs", top_k=3)
-    with AppServer(create_app(settings, embedder=embedder)) as running:
-        running.wait_ready()
-        yield running
 
 
 @pytest.fixture
