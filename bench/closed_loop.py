@@ -55,7 +55,7 @@ async def closed_loop(concurrency: int, items: Sequence[Any], one: Callable[[Any
 async def stream_times(response: httpx.Response, started: float, completion: bool = False) -> float:
     """Read an OpenAI-style event stream to its end; the time its first answer text arrived (or its end)."""
     first, result = 0.0, Completion()
-    async for batch in event_batches(response):
+    async for batch in event_batches(response.aiter_raw()):
         if any([text for event in batch for text in read_event(event, result, completion)]):
             first = first or time.perf_counter() - started
     return first

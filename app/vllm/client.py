@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import httpx
 import openai
 import orjson
@@ -57,15 +58,21 @@ class Capture:
 
 
 class LLMClient:
+    """vLLM's API for the service. Answers stream through aiohttp: its connector hands out a pooled connection
+    in constant time, where httpx's pool walks (and polls) every connection on each request and each release, which
+    under a few dozen answers in flight cost the event loop more than all the rest of the relay. The rest (warm-up,
+    tokenize, models, metrics) goes through httpx and the openai SDK."""
+
     def __init__(self, settings: VLLMSettings) -> None:
         self.settings = settings
         self.model: str | None = settings.model  # the configured one, then what vLLM serves (``use_model``)
         self.openai = AsyncOpenAI(base_url=settings.url, api_key=settings.api_key, timeout=settings.timeout_s,
                                   max_retries=0,  # retry policy is ours (readiness monitor), not the SDK's
                                   http_client=DefaultAsyncHttpxClient(limits=SDK_POOL))
-        root = settings.url.rstrip("/").removesuffix("/v1")
-        self.http = httpx.AsyncClient(base_url=root, timeout=settings.timeout_s, limits=POOL,
-                                      headers={"Authorization": f"Bearer {settings.api_key}"})
+        self.root = settings.url.rstrip("/").removesuffix("/v1")
+        self.auth = {"Authorization": f"Bearer {settings.api_key}"}
+        self.http = httpx.AsyncClient(base_url=self.root, timeout=settings.timeout_s, limits=POOL, headers=self.auth)
+        self._answers: aiohttp.ClientSession | None = None  # made on first use, on the serving loop
         self.capture = Capture(settings.capture_path) if settings.capture_path else None
 
     def use_model(self, model: str) -> None:
@@ -77,6 +84,19 @@ class LLMClient:
             self.capture.close()
         await self.openai.close()
         await self.http.aclose()
+        if self._answers is not None:
+            await self._answers.close()
+
+    def answers(self) -> aiohttp.ClientSession:
+        """The session answers stream through: ``POOL``'s limits, and a read or connect over ``timeout_s`` fails
+        (as httpx's timeout does), not a whole answer that takes longer."""
+        if self._answers is None:
+            timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.settings.timeout_s,
+                                            sock_read=self.settings.timeout_s)
+            connector = aiohttp.TCPConnector(limit=POOL.max_connections or 0, keepalive_timeout=POOL.keepalive_expiry)
+            self._answers = aiohttp.ClientSession(headers=self.auth, timeout=timeout, connector=connector,
+                                                  trust_env=True)  # proxies from the environment, as httpx
+        return self._answers
 
     def chat_request(self, messages: list[dict[str, Any]], *, max_tokens: int, temperature: float, prefix_key: str,
                      stream: bool = True, repetition_penalty: float | None = None, priority: int | None = None,
@@ -118,11 +138,10 @@ class LLMClient:
                                                                            payload))
         headers = headers | {"content-type": "application/json"}
         with upstream_errors():
-            async with self.http.stream("POST", path, content=payload, headers=headers) as response:
-                if response.status_code != 200:
-                    await response.aread()
-                    raise status_error(response)
-                async for batch in event_batches(response):
+            async with self.answers().post(self.root + path, data=payload, headers=headers) as response:
+                if response.status != 200:
+                    raise status_error(response.status, await response.read())
+                async for batch in event_batches(response.content.iter_any()):
                     text = "".join(piece for event in batch
                                    for piece in read_event(event, result, completion=prompt_ids is not None))
                     if text:

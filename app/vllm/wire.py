@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import aiohttp
 import httpx
 import openai
 import orjson
@@ -42,12 +43,13 @@ class upstream_errors:
         return self
 
     def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> Literal[False]:
-        if exc is None or not isinstance(exc, (openai.OpenAIError, httpx.HTTPError)):
+        if exc is None or not isinstance(exc, (openai.OpenAIError, httpx.HTTPError, aiohttp.ClientError)):
             return False
-        if isinstance(exc, (openai.APITimeoutError, httpx.TimeoutException)):
+        if isinstance(exc, (openai.APITimeoutError, httpx.TimeoutException, aiohttp.ServerTimeoutError)):
             raise UpstreamTimeout(f"vLLM did not answer in time: {exc}") from exc
-        if isinstance(exc, (openai.APIConnectionError, httpx.TransportError)):
-            raise UpstreamUnavailable(f"vLLM is not reachable: {exc}") from exc
+        if isinstance(exc, (openai.APIConnectionError, httpx.TransportError, aiohttp.ClientError)):
+            # aiohttp's (the answers' stream): refused, reset, or the body cut off mid-answer
+            raise UpstreamUnavailable(f"vLLM is not reachable: {exc or type(exc).__name__}") from exc
         if isinstance(exc, openai.BadRequestError):
             if "maximum context length" in exc.message:
                 raise ContextTooLong(f"vLLM rejected the request: {exc.message}", param="messages") from exc
@@ -69,13 +71,14 @@ def wire(request: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
     return body | request.get("extra_body", {}), dict(request.get("extra_headers", {}))
 
 
-async def event_batches(response: httpx.Response) -> AsyncIterator[list[dict[str, Any]]]:
-    """The JSON events of an OpenAI-style server-sent stream, up to its ``[DONE]``, a batch per network read: under
+async def event_batches(reads: AsyncIterator[bytes]) -> AsyncIterator[list[dict[str, Any]]]:
+    """The JSON events of an OpenAI-style server-sent stream (its body, as each network read hands it over), up to
+    its ``[DONE]``, a batch per read: under
     load several tokens of an answer are waiting by the time the event loop reads its socket, and each hop after
     this one (the pipeline, the SSE encoding, the ASGI stack, the socket write) is then paid once per batch rather
     than once per token; a token that arrives alone goes on alone, at once."""
     pending, done = b"", False
-    async for received in response.aiter_raw():
+    async for received in reads:
         if done:  # read to the body's end, else the connection is closed rather than pooled for the next request
             continue
         complete, _, pending = (pending + received).rpartition(b"\n")
@@ -108,9 +111,10 @@ def read_event(event: dict[str, Any], result: Completion, completion: bool) -> I
             yield text
 
 
-def status_error(response: httpx.Response) -> Exception:
-    """The service's error for a refused streaming request, as the SDK's status errors are translated."""
-    message, status = upstream_message(response), response.status_code
+def status_error(status: int, body: bytes) -> Exception:
+    """The service's error for a refused streaming request (its status and body), as the SDK's status errors
+    are translated."""
+    message = message_of(body)
     if status == 400:
         if "maximum context length" in message:
             return ContextTooLong(f"vLLM rejected the request: {message}", param="messages")
@@ -123,10 +127,15 @@ def status_error(response: httpx.Response) -> Exception:
 
 
 def upstream_message(response: httpx.Response) -> str:
+    return message_of(response.content)
+
+
+def message_of(body: bytes) -> str:
+    """An error body's OpenAI-shaped message, else its first 500 characters."""
     try:
-        return str(response.json()["error"]["message"])
+        return str(orjson.loads(body)["error"]["message"])
     except Exception:
-        return response.text[:500]
+        return body[:500].decode(errors="replace")
 
 
 def replicas_of(response: httpx.Response) -> list[Replica] | None:

@@ -24,7 +24,7 @@ class Reads(httpx.AsyncByteStream):
 
 async def batches(pieces: list[bytes]) -> list[list[dict]]:
     response = httpx.Response(200, stream=Reads(pieces))
-    return [batch async for batch in event_batches(response)]
+    return [batch async for batch in event_batches(response.aiter_raw())]
 
 
 async def test_events_waiting_together_are_one_batch_and_a_cut_line_waits_for_its_end():
@@ -41,6 +41,6 @@ async def test_events_waiting_together_are_one_batch_and_a_cut_line_waits_for_it
 
 async def test_nothing_after_done_is_parsed_but_the_body_is_read_to_its_end_and_comments_are_skipped():
     reads = Reads([b": keep-alive\n\n" + chat_event("a"), b"data: [DONE]\n\n" + chat_event("never"), b"\n"])
-    found = [batch async for batch in event_batches(httpx.Response(200, stream=reads))]
+    found = [batch async for batch in event_batches(httpx.Response(200, stream=reads).aiter_raw())]
     assert found == [[{"choices": [{"delta": {"content": "a"}, "finish_reason": None}]}]]
     assert reads.read == 3, "read to the end: a response closed early takes its connection with it"

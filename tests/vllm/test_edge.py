@@ -219,15 +219,17 @@ def test_a_stream_that_cannot_start_gets_the_same_status_as_a_plain_request(coll
 
 
 async def test_idle_connections_to_vllm_are_dropped_before_vllms_keep_alive_closes_them(vllm_url):
-    """vLLM (uvicorn) closes a connection idle for 5 s; a request sent on one just then fails. The client reuses a
-    connection while it is fresh and opens a new one once it has idled past its own, shorter limit."""
+    """vLLM (uvicorn) closes a connection idle for 5 s; a request sent on one just then fails. Each of the client's
+    pools (the SDK's, httpx's and the answers' stream) reuses a connection while it is fresh and opens a new one
+    once it has idled past its own, shorter limit."""
     from vllm import envs
 
     assert POOL.keepalive_expiry < envs.VLLM_HTTP_TIMEOUT_KEEP_ALIVE
     proxy, proxied = proxy_in_front_of(vllm_url)
     llm = LLMClient(VLLMSettings(url=proxied))
     try:
-        for call in (lambda: llm.openai.models.list(), lambda: llm.http.get("/health")):
+        llm.use_model((await llm.list_models())[0]["id"])
+        for call in (lambda: llm.openai.models.list(), lambda: llm.http.get("/health"), lambda: answer(llm, "Why?")):
             opened = proxy.accepted
             await call()
             await call()
@@ -247,13 +249,19 @@ async def test_streamed_answers_one_after_another_reuse_one_connection_to_vllm(v
     llm = LLMClient(VLLMSettings(url=proxied))
     try:
         llm.use_model((await llm.list_models())[0]["id"])
+        await answer(llm, "What do anchors do?")
         opened = proxy.accepted
-        for question in ("What do anchors do?", "Why do tides rise?", "Where does a compass point?"):
-            request = llm.chat_request([{"role": "user", "content": question}], max_tokens=4, temperature=0,
-                                       prefix_key="test")
-            result = Completion()
-            assert [delta async for delta in llm.stream_chat(request, result)] and result.finish_reason
-        assert proxy.accepted == opened, "the connection that listed the models served every answer"
+        for question in ("Why do tides rise?", "Where does a compass point?"):
+            await answer(llm, question)
+        assert proxy.accepted == opened, "the connection of the first answer served the next ones"
     finally:
         await llm.aclose()
         proxy.down()
+
+
+async def answer(llm: LLMClient, question: str) -> None:
+    """One streamed answer of a few tokens, read to its end."""
+    request = llm.chat_request([{"role": "user", "content": question}], max_tokens=4, temperature=0,
+                               prefix_key="test")
+    result = Completion()
+    assert [delta async for delta in llm.stream_chat(request, result)] and result.finish_reason
