@@ -7,11 +7,12 @@ returns only a ``Ranking``.
 
 Each worker is reached over a socket the event loop reads and writes itself (``app.runtime.worker_channel``):
 no thread of the serving process stands between a question and its ranking, so a busy loop never makes a
-ranking wait for a thread to get the GIL. A free worker takes every question waiting, up to ``BATCH``, and
-encodes them in one pass. After an ingest, a worker reopens the collection at its next question (the epoch it
-is sent says so) and answers dense-only, not to be remembered, until its BM25 index is loaded again, as the
-serving process itself would. A worker that dies is started again and primed before it takes a question; its
-questions in flight fail with a 503."""
+ranking wait for a thread to get the GIL. A free worker takes its share of the questions waiting (all of them
+when it is the only one free, up to ``BATCH``) and encodes them in one pass: a burst is spread over the free
+workers first, since a batch's first question waits for its last one's encoding. After an ingest, a worker
+reopens the collection at its next question (the epoch it is sent says so) and answers dense-only, not to be
+remembered, until its BM25 index is loaded again, as the serving process itself would. A worker that dies is
+started again and primed before it takes a question; its questions in flight fail with a 503."""
 
 from __future__ import annotations
 
@@ -60,6 +61,7 @@ class RetrievalPool:
         self._channels: list[Channel] = []
         self._asked: asyncio.Queue[_Asked] = asyncio.Queue()
         self._feeders: list[asyncio.Task[None]] = []
+        self._free = 0  # feeders waiting for a question: a burst is shared among them
 
     async def rank(self, question: str, k: int, source_prefix: str | None = None) -> Ranking:
         self._start()
@@ -100,12 +102,23 @@ class RetrievalPool:
                 log.error("retrieval worker %d died: starting a new one", slot)
                 self._channels[slot] = Channel.spawn(_serve, self.config)
                 await _prime_logged(self._channels[slot], self.epoch)
-            batch = [await self._asked.get()]
-            while len(batch) < BATCH and not self._asked.empty():
-                batch.append(self._asked.get_nowait())
+            batch = await self._share()
             batch = [asked for asked in batch if not asked.ranking.done()]  # a client that gave up
             if batch:
                 await self._rank_on(self._channels[slot], batch)
+
+    async def _share(self) -> list[_Asked]:
+        """The next questions for one worker: at least one, and of those waiting this worker's even share among
+        the workers free now (the others woken by the same burst are still counted free: they take theirs)."""
+        self._free += 1
+        try:
+            batch = [await self._asked.get()]
+        finally:
+            self._free -= 1
+        share = min(BATCH, -(-(1 + self._asked.qsize()) // (1 + self._free)))
+        while len(batch) < share and not self._asked.empty():
+            batch.append(self._asked.get_nowait())
+        return batch
 
     async def _rank_on(self, channel: Channel, batch: list[_Asked]) -> None:
         questions = [(asked.question, asked.k, asked.source_prefix) for asked in batch]

@@ -1,6 +1,7 @@
 """Ranking in worker processes (``PREFIXRAG_RETRIEVAL__WORKERS``) over a real collection, with the real encoder: the
 workers rank as the serving process does, a burst of questions is answered in batches, a worker killed under
-load is started again, and closing the pool ends every worker."""
+load is started again, a burst is spread over the free workers before any is batched, and closing the pool ends
+every worker."""
 
 from __future__ import annotations
 
@@ -56,5 +57,32 @@ def test_workers_rank_as_the_serving_process_does_and_one_killed_is_started_agai
             processes = [channel.process for channel in pool._channels]
             await pool.aclose()
         assert not any(process.is_alive() for process in processes)
+
+    asyncio.run(scenario())
+
+
+def test_a_burst_is_shared_among_the_free_workers_and_batched_only_beyond_them(collections):
+    settings = app_settings(collections, "http://unused/v1", collection="project-docs")
+
+    async def scenario() -> None:
+        pool = RetrievalPool(WorkerConfig(settings.chroma, settings.embedding, settings.retrieval,
+                                          settings.pages), workers=2)
+        batches: list[int] = []
+        ranked_on = pool._rank_on
+
+        async def recorded(channel, batch):
+            batches.append(len(batch))
+            await ranked_on(channel, batch)
+
+        pool._rank_on = recorded  # type: ignore[method-assign]
+        try:
+            await pool.prime()
+            await asyncio.gather(*(pool.rank(q, 5) for q in QUESTIONS[:2]))
+            assert sorted(batches) == [1, 1], "two questions, two free workers: one each, neither waits for the other"
+            batches.clear()
+            await asyncio.gather(*(pool.rank(q, 5) for q in QUESTIONS))
+            assert sorted(batches) == [3, 3], "six at once: an even share each, in one pass"
+        finally:
+            await pool.aclose()
 
     asyncio.run(scenario())
