@@ -73,10 +73,9 @@ def wire(request: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
 
 async def event_batches(reads: AsyncIterator[bytes]) -> AsyncIterator[list[dict[str, Any]]]:
     """The JSON events of an OpenAI-style server-sent stream (its body, as each network read hands it over), up to
-    its ``[DONE]``, a batch per read: under
-    load several tokens of an answer are waiting by the time the event loop reads its socket, and each hop after
-    this one (the pipeline, the SSE encoding, the ASGI stack, the socket write) is then paid once per batch rather
-    than once per token; a token that arrives alone goes on alone, at once."""
+    its ``[DONE]``, a batch per read: under load several tokens of an answer are waiting by the time the event loop
+    reads its socket, and each hop after this one (the pipeline, the SSE encoding, the ASGI stack, the socket
+    write) is then paid once per batch rather than once per token; a token that arrives alone goes on alone."""
     pending, done = b"", False
     async for received in reads:
         if done:  # read to the body's end, else the connection is closed rather than pooled for the next request
