@@ -34,6 +34,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="processes that rank questions beside the serving one: encoder, Chroma query, BM25 "
                              "(PREFIXRAG_RETRIEVAL__WORKERS; default auto: one per two cores, at most 8, on 8 cores or "
                              "more; 0: rank in the serving process)")
+    parser.add_argument("--log-level", choices=["debug", "info", "warning", "error"],
+                        help="lowest level logged (PREFIXRAG_SERVICE__LOG_LEVEL, default info)")
+    parser.add_argument("--log-format", choices=["text", "json"],
+                        help="text lines, or one JSON object per line (PREFIXRAG_SERVICE__LOG_FORMAT, default text)")
     parser.add_argument("--reload", action="store_true", help="restart on code changes (development)")
     return add_version(parser).parse_args(argv)
 
@@ -43,17 +47,19 @@ def main(argv: list[str] | None = None) -> int:
     from app.serve.observability import configure_logging
 
     args = parse_args(argv)
-    flags = {"service.host": args.host, "service.port": args.port, "retrieval.workers": args.workers}
+    flags = {"service.host": args.host, "service.port": args.port, "retrieval.workers": args.workers,
+             "service.log_level": args.log_level, "service.log_format": args.log_format}
     try:
         settings = overridden(Settings(), flags)
     except (ValidationError, UnknownSetting) as exc:
         print(f"error: {invalid_setting(exc)}", file=sys.stderr)
         return 2
-    logs = configure_logging(repeats_s=settings.service.log_repeats_s)
+    service = settings.service
+    logs = configure_logging(service.log_level, service.log_repeats_s, service.log_format)
     # log_config=None: uvicorn's lines go through ours (request id, quiet probes).
-    options: dict[str, Any] = {"host": settings.service.host, "port": settings.service.port, "log_level": "info",
+    options: dict[str, Any] = {"host": service.host, "port": service.port, "log_level": service.log_level,
                                "timeout_graceful_shutdown": math.ceil(settings.traffic.drain_s),
-                               "timeout_keep_alive": settings.service.keep_alive_s, "log_config": None}
+                               "timeout_keep_alive": service.keep_alive_s, "log_config": None}
     if args.reload:  # a --reload worker is another process: it reads the flags from the environment
         os.environ.update(environment_of(flags))
         uvicorn.run("app.serve.app:create_app", factory=True, reload=True, **options)

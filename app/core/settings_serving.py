@@ -193,6 +193,11 @@ class ServiceSettings(BaseModel):
         75, ge=1, description="How long an idle client connection is kept open. Longer than common clients' own "
         "idle limits (httpx 5 s, aiohttp 15 s, a load balancer's 60 s), so the client always closes first: a server "
         "closing a connection just as a client reuses it fails that client's request (a reset, not a status).")
+    log_level: Literal["debug", "info", "warning", "error"] = Field(
+        "info", description="Lowest level of the lines the service logs (uvicorn's included).")
+    log_format: Literal["text", "json"] = Field(
+        "text", description="'text': one readable line per record; 'json': one JSON object per line (time, level, "
+        "request_id, logger, message; a traceback inside the message), for log collectors.")
     log_repeats_s: float = Field(30.0, ge=0, description="Repeated failures of one kind (a status on a path, one "
                                  "error) are logged once, then counted in one line per this many seconds, and "
                                  "their end said (s; 0: every one logged).")

@@ -12,6 +12,8 @@ from logging.handlers import QueueHandler, QueueListener
 from asgi_correlation_id import CorrelationIdFilter, CorrelationIdMiddleware
 from fastapi import FastAPI
 from prometheus_fastapi_instrumentator import Instrumentator
+from pythonjsonlogger.core import RESERVED_ATTRS
+from pythonjsonlogger.json import JsonFormatter
 
 from app.core.metrics import ServiceMetrics
 from app.serve.repeats import Repeats
@@ -19,6 +21,7 @@ from app.serve.repeats import Repeats
 REQUEST_ID_HEADER = "X-Request-ID"
 PROBES = frozenset({"/healthz", "/readyz", "/metrics"})
 LOG_FORMAT = "%(asctime)s %(levelname)s [%(correlation_id)s] %(name)s: %(message)s"
+JSON_FIELDS = {"asctime": "time", "levelname": "level", "correlation_id": "request_id", "name": "logger"}
 
 
 def observe(app: FastAPI, metrics: ServiceMetrics) -> None:
@@ -30,13 +33,14 @@ def observe(app: FastAPI, metrics: ServiceMetrics) -> None:
                        validator=lambda value: 0 < len(value) <= 128 and value.isprintable())
 
 
-def configure_logging(level: int = logging.INFO, repeats_s: float | None = None) -> Logs:
-    """The entry point's logging: the request id on every line; probe access lines only when they fail; httpx's
-    per-request lines off (our monitors log state changes instead); with ``repeats_s``, repeated failures of one
-    kind aggregated (``app.serve.repeats``). Lines are written by a thread of their own (``QueueListener``): the
-    event loop serving every request only queues a record, and never waits on a write to a busy pipe or disk."""
+def configure_logging(level: int | str = logging.INFO, repeats_s: float | None = None, form: str = "text") -> Logs:
+    """The entry point's logging, at ``level`` (a name or a number), ``form`` 'text' or 'json' (one object per
+    line): the request id on every line; probe access lines only when they fail; httpx's per-request lines off (our
+    monitors log state changes instead); with ``repeats_s``, repeated failures of one kind aggregated
+    (``app.serve.repeats``). Lines are written by a thread of their own (``QueueListener``): the event loop serving
+    every request only queues a record, and never waits on a write to a busy pipe or disk."""
     written = logging.StreamHandler()
-    written.setFormatter(logging.Formatter(LOG_FORMAT))
+    written.setFormatter(_formatter(form))
     listener = QueueListener(queue.SimpleQueue(), written)
     handler = QueueHandler(listener.queue)
     handler.setFormatter(logging.Formatter("%(message)s"))  # the message only: the writer adds time, level, id
@@ -44,7 +48,7 @@ def configure_logging(level: int = logging.INFO, repeats_s: float | None = None)
     repeats = Repeats(repeats_s).start() if repeats_s else None
     if repeats is not None:
         handler.addFilter(repeats)
-    logging.basicConfig(level=level, handlers=[handler])
+    logging.basicConfig(level=level.upper() if isinstance(level, str) else level, handlers=[handler])
     logging.getLogger("uvicorn.access").addFilter(QuietProbes())
     for noisy in ("httpx", "httpx2"):  # httpx2: the openai SDK's own copy of httpx
         logging.getLogger(noisy).setLevel(logging.WARNING)
@@ -52,6 +56,14 @@ def configure_logging(level: int = logging.INFO, repeats_s: float | None = None)
     listener.start()
     atexit.register(logs.close)
     return logs
+
+
+def _formatter(form: str) -> logging.Formatter:
+    if form == "json":
+        fields = " ".join(f"%({name})s" for name in [*JSON_FIELDS, "message"])
+        return JsonFormatter(fields, rename_fields=JSON_FIELDS, json_ensure_ascii=False,
+                             reserved_attrs=[*RESERVED_ATTRS, "color_message"])  # uvicorn's, with terminal colours
+    return logging.Formatter(LOG_FORMAT)
 
 
 class Logs:

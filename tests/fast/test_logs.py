@@ -4,6 +4,7 @@ request. No vLLM is involved (it is down by design): tested here only."""
 
 from __future__ import annotations
 
+import json
 import logging
 import signal
 import subprocess
@@ -101,3 +102,30 @@ def test_a_process_ended_by_its_signal_has_written_every_queued_line_once_format
     assert any("ValueError: kept with its line" in line for line in lines), done.stderr
     assert any(line.endswith("INFO [-] prefixrag: after the close") for line in lines), done.stderr
     assert not any("WARNING:prefixrag" in line or "INFO:prefixrag" in line for line in lines), done.stderr
+
+
+JSON_LINES = """
+import json
+import logging
+from asgi_correlation_id import correlation_id
+from app.serve.observability import configure_logging
+logs = configure_logging("warning", form="json")
+logging.getLogger("prefixrag").info("below the level: not written")
+correlation_id.set("req-7")
+logging.getLogger("prefixrag.http").warning("%s %s", 503, "shutting_down")
+try:
+    raise ValueError("kept with its line")
+except ValueError:
+    logging.getLogger("prefixrag").exception("a failure")
+logs.close()
+"""
+
+
+def test_json_logs_are_one_object_per_line_with_the_request_id_and_the_level_kept():
+    done = subprocess.run([sys.executable, "-c", JSON_LINES], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    records = [json.loads(line) for line in done.stderr.splitlines()]  # every line a whole object
+    assert [(r["level"], r["logger"], r["request_id"]) for r in records] == [
+        ("WARNING", "prefixrag.http", "req-7"), ("ERROR", "prefixrag", "req-7")], records
+    assert records[0]["message"] == "503 shutting_down" and records[0]["time"]
+    assert records[1]["message"].startswith("a failure") and "ValueError: kept with its line" in records[1]["message"]
