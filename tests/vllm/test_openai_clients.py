@@ -1,6 +1,7 @@
 """What OpenAI clients send beyond a plain chat, driven by the official ``openai`` client against the real vLLM
 test server: ``/v1/completions`` (LlamaIndex's ``OpenAILike`` calls it by default), structured output passed to
-vLLM, and every parameter prefixrag cannot honour refused by name instead of silently dropped."""
+vLLM, every parameter prefixrag cannot honour refused by name instead of silently dropped, and LangChain's
+``ChatOpenAI`` as a chain's code uses it."""
 
 from __future__ import annotations
 
@@ -95,3 +96,32 @@ def test_a_json_schema_response_format_constrains_the_answer(client, route):
                                          extra_body={"response_format": VERDICT}).choices[0].text
     # The test model's tokenizer (wordpieces) decodes with a space between pieces: ' { " v er d i ct " : " no " }'.
     assert json.loads(text.replace(" ", "")) in ({"verdict": "yes"}, {"verdict": "no"}), text
+
+
+def test_langchains_chat_openai_converses_and_streams_with_usage(server):
+    from langchain_core.messages import AIMessage, HumanMessage, SystemMessage
+    from langchain_openai import ChatOpenAI
+
+    chat = ChatOpenAI(base_url=server.url + "/v1", api_key="unused", model="prefixrag", max_tokens=8,
+                      max_retries=0, timeout=120, stream_usage=True)
+    reply = chat.invoke([SystemMessage("Answer in one sentence."), HumanMessage(QUESTION)])
+    assert reply.content and reply.response_metadata["finish_reason"] in ("stop", "length")
+    assert reply.usage_metadata["input_tokens"] > 0 and reply.usage_metadata["output_tokens"] <= 8
+    turns = [HumanMessage(QUESTION), AIMessage(reply.content), HumanMessage("And what does it skip?")]
+    chunks = list(chat.stream(turns))
+    assert "".join(chunk.content for chunk in chunks)
+    usage = [chunk.usage_metadata for chunk in chunks if chunk.usage_metadata]
+    assert len(usage) == 1 and usage[0]["output_tokens"] <= 8 and usage[0]["input_tokens"] > 0
+
+
+def test_langchains_structured_output_goes_through_vllms_guided_decoding(server):
+    """``with_structured_output`` sends a json_schema ``response_format``; only vLLM's guided decoding makes the
+    test model's noise an object of that schema (its wordpieces decode with spaces between them)."""
+    from langchain_openai import ChatOpenAI
+
+    chat = ChatOpenAI(base_url=server.url + "/v1", api_key="unused", model="prefixrag", max_tokens=48,
+                      max_retries=0, timeout=120)
+    schema = VERDICT["json_schema"]["schema"] | {"title": "verdict", "description": "yes or no"}
+    found = chat.with_structured_output(schema, method="json_schema", strict=True).invoke(QUESTION)
+    assert {key.replace(" ", ""): value.replace(" ", "") for key, value in found.items()} in (
+        {"verdict": "yes"}, {"verdict": "no"}), found
