@@ -72,8 +72,8 @@ class Retriever:
         if mode == "lexical":
             found = lexical.search(question, k, set(where["source"]["$in"]) if where else None)
             return Ranking(self.index.chunks([i for i, _ in found], [score for _, score in found]))
-        vector = vector if vector is not None else self.embedder.embed([question])[0]
-        return self._hybrid([_Question(question, k, max(k, self.retrieval.candidates), where)], [vector], lexical)[0]
+        asked = _Question(question, k, max(k, self.retrieval.candidates), where)
+        return self._hybrid([asked], [self._vector(question, vector)], lexical)[0]
 
     def rank_batch_sync(self, questions: list[tuple[str, int, str | None]],
                         vectors: list[list[float] | None]) -> list[Ranking]:
@@ -113,20 +113,18 @@ class Retriever:
                 ids[n] = found_ids
         return ids
 
-    def _query(self, question: str, k: int, where: dict[str, Any] | None, include: list[str],
-               vector: list[float] | None = None) -> dict[str, Any]:
-        vector = vector if vector is not None else self.embedder.embed([question])[0]
-        with chroma_errors("query"):
-            found: dict[str, Any] = self.index.collection.query(query_embeddings=[vector], n_results=k,
-                                                                where=where, include=include)
-        return found
-
     def _dense(self, question: str, k: int, where: dict[str, Any] | None,
                vector: list[float] | None) -> list[ContextChunk]:
-        found = self._query(question, k, where, ["documents", "metadatas", "distances"], vector)
+        with chroma_errors("query"):
+            found = self.index.collection.query(query_embeddings=[self._vector(question, vector)], n_results=k,
+                                                where=where, include=["documents", "metadatas", "distances"])
         rows = zip(found["ids"][0], found["documents"][0], found["metadatas"][0], found["distances"][0])
         return [to_chunk(chunk_id, text, meta, 1.0 - distance, rank)
                 for rank, (chunk_id, text, meta, distance) in enumerate(rows)]
+
+    def _vector(self, question: str, vector: list[float] | None) -> list[float]:
+        """The question's embedding: the one given, else encoded now (scripts and tests that pass none)."""
+        return vector if vector is not None else self.embedder.embed([question])[0]
 
     def _where(self, source_prefix: str | None) -> dict[str, Any] | None:
         if not source_prefix:
