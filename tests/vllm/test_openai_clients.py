@@ -100,10 +100,8 @@ def test_a_json_schema_response_format_constrains_the_answer(client, route):
 
 def test_langchains_chat_openai_converses_and_streams_with_usage(server):
     from langchain_core.messages import AIMessage, HumanMessage, SystemMessage
-    from langchain_openai import ChatOpenAI
 
-    chat = ChatOpenAI(base_url=server.url + "/v1", api_key="unused", model="prefixrag", max_tokens=8,
-                      max_retries=0, timeout=120, stream_usage=True)
+    chat = chat_openai(server, max_tokens=8, stream_usage=True)
     reply = chat.invoke([SystemMessage("Answer in one sentence."), HumanMessage(QUESTION)])
     assert reply.content and reply.response_metadata["finish_reason"] in ("stop", "length")
     assert reply.usage_metadata["input_tokens"] > 0 and reply.usage_metadata["output_tokens"] <= 8
@@ -117,11 +115,16 @@ def test_langchains_chat_openai_converses_and_streams_with_usage(server):
 def test_langchains_structured_output_goes_through_vllms_guided_decoding(server):
     """``with_structured_output`` sends a json_schema ``response_format``; only vLLM's guided decoding makes the
     test model's noise an object of that schema (its wordpieces decode with spaces between them)."""
-    from langchain_openai import ChatOpenAI
-
-    chat = ChatOpenAI(base_url=server.url + "/v1", api_key="unused", model="prefixrag", max_tokens=48,
-                      max_retries=0, timeout=120)
+    chat = chat_openai(server, max_tokens=48)
     schema = VERDICT["json_schema"]["schema"] | {"title": "verdict", "description": "yes or no"}
     found = chat.with_structured_output(schema, method="json_schema", strict=True).invoke(QUESTION)
     assert {key.replace(" ", ""): value.replace(" ", "") for key, value in found.items()} in (
         {"verdict": "yes"}, {"verdict": "no"}), found
+
+
+def chat_openai(server, **options):
+    """LangChain's ``ChatOpenAI`` pointed at the service, as a chain's code would build it."""
+    from langchain_openai import ChatOpenAI
+
+    return ChatOpenAI(base_url=server.url + "/v1", api_key="unused", model="prefixrag", max_retries=0, timeout=120,
+                      **options)
