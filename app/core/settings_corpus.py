@@ -34,7 +34,9 @@ class EmbeddingSettings(BaseModel):
     model: str = Field(PACKAGED_EMBEDDER,
                        description="Sentence-transformers model path, or 'packaged:all-MiniLM-L6-v2'.")
     batch_size: int = Field(64, ge=1, le=1024, description="Texts per encoder forward pass.")
-    device: str = Field("cpu", description="Torch device for the encoder.")
+    device: str = Field(
+        "auto", description="Torch device for the encoder ('cpu', 'cuda', 'cuda:1', ...); 'auto': the first CUDA GPU "
+        "where torch sees one (beside vLLM it takes well under 1 GiB per process), else the CPU.")
     query_threads: int = Field(
         1, ge=1, description="CPU threads the service's encoder uses per question (ingest uses them all): one short "
         "text gains nothing from more, and beside a CPU vLLM each extra thread stalls at every barrier")

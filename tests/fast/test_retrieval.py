@@ -120,3 +120,14 @@ def test_bm25_keeps_an_installed_jax_off_the_gpu_and_selects_with_numpy(tmp_path
     assert found.startswith("[('a', ")
     # bm25s's own top-k at import (on the CPU platform), none per query
     assert log.read_text().splitlines() == ["platforms=cpu", "top_k"]
+
+
+def test_the_encoder_goes_to_the_gpu_where_torch_sees_one_unless_told(monkeypatch, embedder):
+    import torch
+
+    from app.core.embedder import torch_device
+
+    assert embedder.model.device.type == "cpu", "no GPU here: 'auto' (the default) loads on the CPU"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert torch_device("auto") == "cuda"
+    assert torch_device("cpu") == "cpu" and torch_device("cuda:1") == "cuda:1"
