@@ -53,8 +53,9 @@ class RetrievalSettings(BaseModel):
                          "reads (0: one per CPU core, at most 8).")
     workers: int | Literal["auto"] = Field(
         "auto", description="Processes that rank questions (encoder, Chroma query, BM25) beside the serving "
-        "process, each with its own encoder and indexes (0: rank in the serving process). 'auto': one per two CPU "
-        "cores, at most 8, where there are at least 8 cores (a GPU host); else 0.")
+        "process, each with its own encoder and indexes (0: rank in the serving process). 'auto': where there are "
+        "at least 8 CPU cores (a GPU host), one per two cores, at most 8, or with the encoder on a GPU (each then "
+        "holds ~0.8 GiB of it) one per four cores, at most 4; else 0.")
 
     @field_validator("workers")
     @classmethod
@@ -63,12 +64,15 @@ class RetrievalSettings(BaseModel):
             raise ValueError("workers must be 'auto' or 0 to 64")
         return value
 
-    def worker_processes(self) -> int:
-        """How many ranking processes run: ``workers``, with 'auto' decided by the cores this process may use."""
+    def worker_processes(self, encoder_on_gpu: bool) -> int:
+        """How many ranking processes run: ``workers``, with 'auto' decided by the cores this process may use and
+        where the encoder runs (on a GPU a question costs a worker little CPU, and each worker its own context)."""
         if self.workers != "auto":
             return self.workers
         cores = len(os.sched_getaffinity(0))
-        return min(8, cores // 2) if cores >= 8 else 0
+        if cores < 8:
+            return 0
+        return min(4, cores // 4) if encoder_on_gpu else min(8, cores // 2)
 
 
 class PageSettings(BaseModel):

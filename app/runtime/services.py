@@ -105,14 +105,14 @@ async def build_services(settings: Settings, *, embedder: Embedder | None = None
     client (or ``llm``: the one seam where the fast test tier puts its fake vLLM) and monitor, the index and
     ranker; then the pipeline."""
     from app.core.embedder import Embedder as Encoder
-    from app.core.embedder import limit_threads
+    from app.core.embedder import limit_threads, torch_device
 
     templates = PromptTemplates.load(settings.service.prompts_dir)
     # Torch fixes a thread's pool size on first use, hence the initializer (PREFIXRAG_EMBEDDING__QUERY_THREADS).
     threads = settings.retrieval.threads or min(8, os.cpu_count() or 2)
     executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="retrieve", initializer=limit_threads,
                                   initargs=(settings.embedding.query_threads,))
-    workers = settings.retrieval.worker_processes()
+    workers = settings.retrieval.worker_processes(torch_device(settings.embedding.device) != "cpu")
     encoder = embedder
     if encoder is None:  # loaded here only where questions are ranked here (else on first use, if ever)
         own = Encoder(settings.embedding)

@@ -86,3 +86,13 @@ def test_a_burst_is_shared_among_the_free_workers_and_batched_only_beyond_them(c
             await pool.aclose()
 
     asyncio.run(scenario())
+
+
+def test_auto_workers_follow_the_cores_and_fewer_hold_the_encoder_on_a_gpu(monkeypatch):
+    from app.core.settings import RetrievalSettings
+
+    auto = RetrievalSettings()
+    for cores, on_cpu, on_gpu in ((2, 0, 0), (8, 4, 2), (16, 8, 4), (64, 8, 4)):
+        monkeypatch.setattr(os, "sched_getaffinity", lambda _pid, n=cores: set(range(n)))
+        assert (auto.worker_processes(False), auto.worker_processes(True)) == (on_cpu, on_gpu), cores
+    assert RetrievalSettings(workers=3).worker_processes(True) == 3
