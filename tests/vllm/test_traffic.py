@@ -149,7 +149,7 @@ def test_sigterm_drains_then_ends_each_stream_with_a_terminal_event_and_exits_le
                        "messages": [{"role": "user", "content": "What do tides do?"}]}), daemon=True)]
         for thread in threads:
             thread.start()
-        wait_until(lambda: running(vllm_url) >= 2, 30, "both answers decoding in vLLM")
+        wait_until(lambda: running(vllm_url) >= 2, 90, "both answers decoding in vLLM")  # cold prefills, 2 busy cores
         app.send_signal(signal.SIGTERM)
         exited = wait_until(lambda: app.poll() is not None, 30, "the app exiting after its drain time")
         assert 2 <= exited <= 3 + 2, "requests in flight get their drain time, and no more"
