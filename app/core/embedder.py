@@ -7,6 +7,7 @@ import threading
 from functools import cached_property
 from typing import Any
 
+from app.core.devices import torch_device
 from app.core.settings import PACKAGED_EMBEDDER, EmbeddingSettings
 
 
@@ -86,12 +87,3 @@ def _load(settings: EmbeddingSettings) -> Any:
     hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]  # "Loading weights" bars would clutter CLI output and logs
     return SentenceTransformer(resolve_model_path(settings.model), device=torch_device(settings.device))
 
-
-def torch_device(device: str) -> str:
-    """``device``, with 'auto' settled: the GPU where torch sees one (a question's encoding there costs a
-    fraction of the CPU's, which sets the pace of retrieval on a busy host), else the CPU."""
-    if device != "auto":
-        return device
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"

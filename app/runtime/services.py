@@ -104,8 +104,9 @@ async def build_services(settings: Settings, *, embedder: Embedder | None = None
     first question, unless worker processes rank; or ``embedder``, shared by tests and benchmarks), the vLLM
     client (or ``llm``: the one seam where the fast test tier puts its fake vLLM) and monitor, the index and
     ranker; then the pipeline."""
+    from app.core.devices import torch_device
     from app.core.embedder import Embedder as Encoder
-    from app.core.embedder import limit_threads, torch_device
+    from app.core.embedder import limit_threads
 
     templates = PromptTemplates.load(settings.service.prompts_dir)
     # Torch fixes a thread's pool size on first use, hence the initializer (PREFIXRAG_EMBEDDING__QUERY_THREADS).

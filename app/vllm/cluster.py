@@ -19,8 +19,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from app.core.devices import has_cuda
 from app.core.version import add_version
-from app.vllm.launcher import has_cuda
 from app.vllm.process import Child, app_child, chroma_child, vllm_argv
 
 # vllm-router's flags, the same in docker/compose.yaml. consistent_hash is keyed by X-Session-ID, which prefixrag

@@ -14,20 +14,12 @@ import shlex
 import sys
 from pathlib import Path
 
+from app.core.devices import has_cuda
 from app.core.settings import Settings, UnknownSetting, VLLMServerSettings, invalid_setting, overridden
 from app.core.version import add_version
 from app.vllm.entry import PRIME_ENV
 
 TEST_MODEL_NAME = "prefixrag-test-model"
-
-
-def has_cuda() -> bool:
-    try:
-        import torch
-
-        return bool(torch.cuda.is_available())
-    except Exception:  # a broken torch build means no GPU path either
-        return False
 
 
 def resolve_model(cfg: VLLMServerSettings) -> tuple[str, str, list[str]]:

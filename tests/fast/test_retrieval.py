@@ -125,7 +125,7 @@ def test_bm25_keeps_an_installed_jax_off_the_gpu_and_selects_with_numpy(tmp_path
 def test_the_encoder_goes_to_the_gpu_where_torch_sees_one_unless_told(monkeypatch, embedder):
     import torch
 
-    from app.core.embedder import torch_device
+    from app.core.devices import torch_device
 
     assert embedder.model.device.type == "cpu", "no GPU here: 'auto' (the default) loads on the CPU"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

@@ -1,0 +1,20 @@
+"""Where torch work runs: one GPU check for the vLLM launcher (CUDA build or CPU build) and the encoder's device."""
+
+from __future__ import annotations
+
+
+def has_cuda() -> bool:
+    try:
+        import torch
+
+        return bool(torch.cuda.is_available())
+    except Exception:  # a broken torch build means no GPU path either
+        return False
+
+
+def torch_device(device: str) -> str:
+    """``device``, with 'auto' settled: the GPU where torch sees one (a question's encoding there costs a
+    fraction of the CPU's, which sets the pace of retrieval on a busy host), else the CPU."""
+    if device != "auto":
+        return device
+    return "cuda" if has_cuda() else "cpu"
