@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import signal
 import subprocess
 import sys
@@ -67,10 +68,11 @@ def test_an_outage_under_four_clients_is_a_handful_of_lines_not_one_per_request(
     finally:
         app.stop()
     lines = log.read_text().splitlines()[before:]
-    failures = [line for line in lines if "/ask" in line or "503" in line]
+    failures = [line for line in lines if "/ask" in line or re.search(r"\b503\b", line)]  # not a pid like 14503
     assert set(sent) == {503} and len(sent) > 40, (len(sent), set(sent))
-    # Two kinds (the access line and the failure's reason): the first of each, a count a second, their end.
-    assert len(failures) <= 2 * (1 + 4 + 1), "\n".join(failures)
+    # Two kinds (the access line and the failure's reason): the first of each, a count a second (3 s of traffic
+    # and the clients' join can touch five ticks), their end.
+    assert len(failures) <= 2 * (1 + 5 + 1), "\n".join(failures)
     assert any("repeated (stopped:" in line and "POST /ask" in line for line in failures), "\n".join(failures)
 
 
