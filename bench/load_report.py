@@ -6,13 +6,20 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from prometheus_client.parser import text_string_to_metric_families
+
 from app.vllm.prometheus import metric_total
 from bench.stats import percentile
 
 APP_ENV_DEFAULTS: dict[str, str] = {}  # prefixrag is measured with its defaults: nothing beyond what a user sets
 HISTOGRAMS = {"ttft": "vllm:time_to_first_token_seconds", "queue": "vllm:request_queue_time_seconds",
               "prefill": "vllm:request_prefill_time_seconds", "e2e": "vllm:e2e_request_latency_seconds"}
-STAGES = ("retrieve", "assemble", "upstream_ttft", "ttft")
+STAGES = ("admit", "retrieve", "assemble", "upstream_ttft", "ttft")
+# The app's own histograms (its /metrics), by what the row calls them, and the label that splits one.
+APP_HISTOGRAMS = {"admission_wait": ("prefixrag_admission_wait_seconds", None),
+                  "ranking": ("prefixrag_retrieval_stage_seconds", "stage"),
+                  "loop_lag": ("prefixrag_event_loop_lag_seconds", None),
+                  "gc_pause": ("prefixrag_gc_pause_seconds", "generation")}
 
 
 def ms(values: list[float]) -> dict[str, float]:
@@ -51,6 +58,41 @@ def engine_figures(before: dict[str, str], after: dict[str, str]) -> dict:
     queries = delta("vllm:prefix_cache_queries_total")
     return {"vllm_mean_ms": means, "vllm_requests": delta("vllm:request_success_total"),
             "vllm_hit_rate": round(delta("vllm:prefix_cache_hits_total") / queries, 4) if queries else None}
+
+
+def app_figures(before: str, after: str) -> dict:
+    """The app's own histograms over the arm, from its /metrics before and after: per histogram (and per label
+    where one splits it) the mean in ms and the count: the admission wait, a ranking's stages in the workers,
+    the event loop's lag, GC pauses; and the prompts sent, by form (token ids or chats)."""
+    start, end = _histogram_sums(before), _histogram_sums(after)
+    sent, sent_before = _prompts_by_form(after), _prompts_by_form(before)
+    figures: dict = {"prompts": {form: int(n - sent_before.get(form, 0)) for form, n in sent.items()}}
+    for key, (name, label) in APP_HISTOGRAMS.items():
+        for (found, part), (total, count) in end.items():
+            total -= start.get((found, part), (0.0, 0.0))[0]
+            count -= start.get((found, part), (0.0, 0.0))[1]
+            if found == name and count:
+                entry = {"mean_ms": round(total / count * 1000, 2), "count": int(count)}
+                figures.setdefault(key, {}).update({part: entry} if label else entry)
+    return figures
+
+
+def _prompts_by_form(text: str) -> dict[str, float]:
+    return {sample.labels["form"]: sample.value for family in text_string_to_metric_families(text)
+            if family.name == "prefixrag_prompts" for sample in family.samples if sample.name.endswith("_total")}
+
+
+def _histogram_sums(text: str) -> dict[tuple[str, str], tuple[float, float]]:
+    """(histogram, its one label's value) -> (sum, count), for every histogram in a Prometheus text."""
+    sums: dict[tuple[str, str], list[float]] = {}
+    for family in text_string_to_metric_families(text):
+        if family.type != "histogram":
+            continue
+        for sample in family.samples:
+            if sample.name in (family.name + "_sum", family.name + "_count"):
+                part = next(iter(sample.labels.values()), "")
+                sums.setdefault((family.name, part), [0.0, 0.0])[sample.name.endswith("_count")] += sample.value
+    return {key: (total, count) for key, (total, count) in sums.items()}
 
 
 def cpu_seconds(pid: int) -> float:

@@ -40,6 +40,7 @@ from bench.datasets import load_dataset, sample
 from bench.fleet import Fleet
 from bench.load_report import (
     APP_ENV_DEFAULTS,
+    app_figures,
     cpu_seconds,
     engine_figures,
     loop_cpu_seconds,
@@ -178,10 +179,11 @@ async def one_arm(spec: ArmSpec, fleet: Fleet, questions: list[str], capture: Pa
         lines = capture.read_text().splitlines()[-captured:] if captured else []
         items = [json.loads(line) for line in lines]
     captured_before = len(capture.read_text().splitlines()) if capture.exists() else 0
+    mine = spec.arm == "prefixrag"
+    app_before = await app_metrics(spec.app_url) if mine else ""
     before, cpu_before, loop_before = await fleet.metrics(), cpu_seconds(app_pid), loop_cpu_seconds(app_pid)
     samples, wall_s, shares = await spread_loop(spec, concurrency, items, duration_s)
     after, cpu_after, loop_after = await fleet.metrics(), cpu_seconds(app_pid), loop_cpu_seconds(app_pid)
-    mine = spec.arm == "prefixrag"
     if mine:
         captured = len(capture.read_text().splitlines()) - captured_before if capture.exists() else 0
     row = {"arm": spec.arm, "concurrency": concurrency, "max_tokens": spec.max_tokens, "streamed": spec.streamed}
@@ -191,7 +193,14 @@ async def one_arm(spec: ArmSpec, fleet: Fleet, questions: list[str], capture: Pa
         # The clients' processes: each one's loop busy for most of its time would mean the clients set the pace.
         "client_processes": len(shares), "client_cpu_s": round(sum(s.cpu_s for s in shares), 3),
         "client_busiest": round(max(s.cpu_s / max(s.ended - s.started, 1e-9) for s in shares), 2)}
+    if mine:  # where the app's own time went: admission, the ranking's stages, its loop's lag, GC
+        row["app_histograms"] = app_figures(app_before, await app_metrics(spec.app_url))
     return row | sample_stats(samples, wall_s), captured
+
+
+async def app_metrics(url: str) -> str:
+    async with httpx.AsyncClient(timeout=30) as client:
+        return (await client.get(url + "/metrics")).text
 
 
 @contextlib.contextmanager

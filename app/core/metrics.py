@@ -13,6 +13,7 @@ from prometheus_client import (
 )
 
 _LATENCY_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60)
+_STAGE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 5)
 
 
 class ServiceMetrics:
@@ -39,6 +40,13 @@ class ServiceMetrics:
         self.collection_reloads = Counter("prefixrag_collection_reloads_total",
                                           "Times an ingest changed the collection and the service reloaded it.",
                                           registry=r)
+        self.admission_wait = Histogram("prefixrag_admission_wait_seconds", "Request received -> admitted: the "
+                                        "wait for an in-flight place (max_in_flight).", buckets=_STAGE_BUCKETS,
+                                        registry=r)
+        self.retrieval_stages = Histogram(
+            "prefixrag_retrieval_stage_seconds", "A question's ranking in the ranking workers, by stage: waiting "
+            "(for a free worker), hop (to it and back: pickling, the socket, the event loop), encode and search "
+            "(Chroma, BM25, the texts; both for its whole batch).", ["stage"], buckets=_STAGE_BUCKETS, registry=r)
         self._totals: dict[str, list[int]] = {}
 
     def observe_answer(self, strategy: str, prompt_tokens: int, cached_tokens: int, ttft_s: float | None) -> None:

@@ -42,16 +42,18 @@ class Clock:
 
     def times(self, first_token: float, done: float) -> StageTimes:
         retrieve, assemble, sent = self.marks["retrieve"], self.marks["assemble"], self.marks["send"]
-        return StageTimes(retrieve=ms(retrieve - self.started), assemble=ms(assemble - retrieve),
+        return StageTimes(admit=ms(self.marks["admitted"] - self.started), retrieve=ms(retrieve - self.started),
+                          assemble=ms(assemble - retrieve),
                           ttft=ms(first_token - self.started), upstream_ttft=ms(first_token - sent),
                           total=ms(done - self.started))
 
 
 @dataclass(frozen=True)
 class StageTimes:
-    """Milliseconds: retrieval (from arrival), building the prompt, first token (from arrival, and from the
-    request's sending to vLLM) and all (from arrival)."""
+    """Milliseconds: admission and retrieval (both from arrival), building the prompt, first token (from arrival,
+    and from the request's sending to vLLM) and all (from arrival)."""
 
+    admit: float
     retrieve: float
     assemble: float
     ttft: float
@@ -124,7 +126,9 @@ class Pipeline:
         """Retrieve every question, plan the context (turn 1 by the strategy, later turns only what is new),
         fit the budget, generate."""
         served = info()
-        clock = Clock(talk.received_at)
+        clock = Clock(talk.received_at)  # the request holds its admission place from here
+        clock.mark("admitted")
+        self.metrics.admission_wait.observe(clock.marks["admitted"] - clock.started)
         budget = self._budget(served.max_model_len, talk.max_tokens)  # a max_tokens beyond the window: no retrieval
         retrieved = [await self._retrieve_cached(q, talk.top_k, talk.source_prefix) for q in talk.questions]
         clock.mark("retrieve")

@@ -21,12 +21,17 @@ import logging
 import os
 import signal
 import socket
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
+
+from prometheus_client import Histogram
 
 from app.core.errors import ServiceError, StoreUnavailable
 from app.core.settings import ChromaSettings, EmbeddingSettings, PageSettings, RetrievalSettings
 from app.rag.retriever import Ranking, Retriever
+from app.runtime.pauses import freeze_start_up
 from app.runtime.worker_channel import Channel, ChannelClosed, Message, serve_channel
 
 log = logging.getLogger("prefixrag.retrieval")
@@ -50,13 +55,24 @@ class _Asked:
     k: int
     source_prefix: str | None
     ranking: asyncio.Future[Ranking] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    asked_at: float = field(default_factory=time.perf_counter)
+
+
+@dataclass(frozen=True)
+class Ranked:
+    """A worker's answer to a batch: each question's ranking (or its error), and what the batch took there."""
+
+    outcomes: list[Any]  # a Ranking, or the error it raised (ServiceError)
+    encode_s: float
+    search_s: float
 
 
 class RetrievalPool:
     """``Ranker`` over ``workers`` processes (spawned, not forked: the serving process has threads)."""
 
-    def __init__(self, config: WorkerConfig, workers: int) -> None:
-        self.config, self.workers = config, workers
+    def __init__(self, config: WorkerConfig, workers: int, stages: Histogram | None = None) -> None:
+        """``stages``: where each question's time goes (``prefixrag_retrieval_stage_seconds``)."""
+        self.config, self.workers, self.stages = config, workers, stages
         self.epoch = 0  # bumped when an ingest changed the collection; every question carries it
         self._channels: list[Channel] = []
         self._asked: asyncio.Queue[_Asked] = asyncio.Queue()
@@ -122,8 +138,11 @@ class RetrievalPool:
 
     async def _rank_on(self, channel: Channel, batch: list[_Asked]) -> None:
         questions = [(asked.question, asked.k, asked.source_prefix) for asked in batch]
+        sent = time.perf_counter()
         try:
-            outcomes = await channel.exchange(("rank", self.epoch, questions))
+            ranked: Ranked = await channel.exchange(("rank", self.epoch, questions))
+            outcomes = ranked.outcomes
+            self._observe(batch, sent, ranked)
         except ChannelClosed:
             outcomes = [StoreUnavailable(DIED)] * len(batch)
         except asyncio.CancelledError:  # the pool is closing: nobody waits on a question for ever
@@ -138,6 +157,16 @@ class RetrievalPool:
                 asked.ranking.set_exception(outcome)
             else:
                 asked.ranking.set_result(outcome)
+
+    def _observe(self, batch: list[_Asked], sent: float, ranked: Ranked) -> None:
+        if self.stages is None:
+            return
+        hop = time.perf_counter() - sent - ranked.encode_s - ranked.search_s
+        for asked in batch:
+            self.stages.labels("waiting").observe(sent - asked.asked_at)
+            self.stages.labels("hop").observe(max(hop, 0.0))
+            self.stages.labels("encode").observe(ranked.encode_s)
+            self.stages.labels("search").observe(ranked.search_s)
 
 
 async def _prime(channel: Channel, epoch: int) -> None:
@@ -178,7 +207,9 @@ class _Worker:
             self.index.reopen()
             self.epoch = epoch
         if kind == "prime":
-            return _outcome(self.prime)
+            primed = _outcome(self.prime)
+            freeze_start_up()  # what loading left alive, out of the cyclic GC's scans between questions
+            return primed
         return self.rank(questions)
 
     def prime(self) -> None:
@@ -187,19 +218,21 @@ class _Worker:
         if self.index.retrieval.mode != "dense":
             self.index.lexical_index(wait=True)
 
-    def rank(self, questions: list[tuple[str, int, str | None]]) -> list[object]:
+    def rank(self, questions: list[tuple[str, int, str | None]]) -> Ranked:
         """Every question's ranking (or its error), the questions encoded in one pass."""
+        started = time.perf_counter()
         texts = [question for question, _, _ in questions]
         dense = self.index.retrieval.mode != "lexical"
         vectors = _outcome(lambda: self.embedder.embed(texts) if dense else [None] * len(texts))
+        encoded = time.perf_counter()
         if isinstance(vectors, BaseException):
-            return [vectors] * len(questions)
+            return Ranked([vectors] * len(questions), encoded - started, 0.0)
         assert isinstance(vectors, list)
         together = _outcome(lambda: self.retriever.rank_batch_sync(questions, vectors))
-        if isinstance(together, list):
-            return together
-        return [_outcome(lambda q=q, k=k, p=p, v=v: self.retriever.rank_sync(q, k, p, vector=v))  # one by one
-                for (q, k, p), v in zip(questions, vectors, strict=True)]
+        if not isinstance(together, list):
+            together = [_outcome(lambda q=q, k=k, p=p, v=v: self.retriever.rank_sync(q, k, p, vector=v))
+                        for (q, k, p), v in zip(questions, vectors, strict=True)]  # one by one
+        return Ranked(together, encoded - started, time.perf_counter() - encoded)
 
 
 def _outcome(work: object) -> object:

@@ -109,6 +109,7 @@ async def build_services(settings: Settings, *, embedder: Embedder | None = None
     from app.core.embedder import limit_threads
 
     templates = PromptTemplates.load(settings.service.prompts_dir)
+    metrics = metrics or ServiceMetrics()
     # Torch fixes a thread's pool size on first use, hence the initializer (PREFIXRAG_EMBEDDING__QUERY_THREADS).
     threads = settings.retrieval.threads or min(8, os.cpu_count() or 2)
     executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="retrieve", initializer=limit_threads,
@@ -129,9 +130,9 @@ async def build_services(settings: Settings, *, embedder: Embedder | None = None
     ranker: Ranker = retriever
     if workers:
         ranker = RetrievalPool(WorkerConfig(settings.chroma, settings.embedding, settings.retrieval,
-                                            settings.pages), workers)
+                                            settings.pages), workers, metrics.retrieval_stages)
     clients = Clients(settings, executor, encoder, llm, upstream, index, retriever, ranker, templates, prompt_ids)
-    return assemble(clients, settings, metrics or ServiceMetrics())
+    return assemble(clients, settings, metrics)
 
 
 def assemble(clients: Clients, settings: Settings, metrics: ServiceMetrics) -> Services:

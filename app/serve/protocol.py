@@ -93,7 +93,9 @@ class AskUsage(BaseModel):
 
 
 class Timings(BaseModel):
-    retrieve: float = Field(description="Embed the question + query Chroma (ms).")
+    admit: float = Field(description="Request received -> admitted: the wait for an in-flight place (ms).")
+    retrieve: float = Field(description="Request received -> its question ranked: admit, then encoding the "
+                            "question and searching the collection (ms).")
     assemble: float = Field(description="Order, render and fit the prompt to the token budget (ms).")
     ttft: float = Field(description="Request received -> first answer token (ms).")
     upstream_ttft: float = Field(description="Request sent to vLLM -> its first answer token here (ms): vLLM's "

@@ -11,6 +11,7 @@ import signal
 from concurrent.futures import ThreadPoolExecutor
 
 from app.core.errors import StoreUnavailable
+from app.core.metrics import ServiceMetrics
 from app.rag.retriever import Retriever
 from app.runtime.retrieval_pool import RetrievalPool, WorkerConfig
 from tests.support.corpora import app_settings
@@ -63,10 +64,14 @@ def test_workers_rank_as_the_serving_process_does_and_one_killed_is_started_agai
 
 def test_a_burst_is_shared_among_the_free_workers_and_batched_only_beyond_them(collections):
     settings = app_settings(collections, "http://unused/v1", collection="project-docs")
+    metrics = ServiceMetrics()
+
+    def stage(name: str, part: str) -> float:
+        return metrics.registry.get_sample_value(f"prefixrag_retrieval_stage_seconds_{part}", {"stage": name}) or 0
 
     async def scenario() -> None:
         pool = RetrievalPool(WorkerConfig(settings.chroma, settings.embedding, settings.retrieval,
-                                          settings.pages), workers=2)
+                                          settings.pages), workers=2, stages=metrics.retrieval_stages)
         batches: list[int] = []
         ranked_on = pool._rank_on
 
@@ -82,6 +87,11 @@ def test_a_burst_is_shared_among_the_free_workers_and_batched_only_beyond_them(c
             batches.clear()
             await asyncio.gather(*(pool.rank(q, 5) for q in QUESTIONS))
             assert sorted(batches) == [3, 3], "six at once: an even share each, in one pass"
+            # Every question's time, by stage: the six waited for no worker; the workers' own time is timed there.
+            assert {name: stage(name, "count") for name in ("waiting", "hop", "encode", "search")} == dict.fromkeys(
+                ("waiting", "hop", "encode", "search"), 8)
+            assert stage("encode", "sum") > 0 and stage("search", "sum") > 0
+            assert stage("waiting", "sum") < stage("encode", "sum") + stage("search", "sum") + stage("hop", "sum")
         finally:
             await pool.aclose()
 

@@ -76,6 +76,7 @@ def test_throughput_runs_the_app_naive_and_the_replay_of_the_apps_requests(tmp_p
     app = rows[("prefixrag", True)]
     assert app["app_ms"]["retrieve"]["p50"] >= 0 and app["app_ms"]["upstream_ttft"]["p50"] > 0
     assert app["outside_vllm_ms"]["p50"] < app["ttft_ms"]["p50"] and app["app_cpu_s"] > 0
+    assert app["app_histograms"]["admission_wait"]["count"] == 32 and app["app_ms"]["admit"]["p50"] >= 0
     # The replay sent vLLM exactly the app's prompts: the same prompt tokens, cached as they were for the app.
     assert rows[("replay", True)]["vllm_hit_rate"] >= app["vllm_hit_rate"] - 0.05
     assert out.with_suffix(".png").stat().st_size > 1000 and "bench.throughput" in report(out)
