@@ -47,8 +47,8 @@ def main(argv: list[str] | None = None) -> int:
     stream = sample(dataset.questions, args.questions, args.seed)
     with tempfile.TemporaryDirectory(prefix="scale-out-") as tmp:
         flags = ["--test-model", "--dev-mode", "--max-model-len", str(args.max_model_len)]
-        with Cluster(args.replicas, flags, Path(tmp) / "logs", first_vllm_port=free_port(), router_port=free_port(),
-                     router_metrics_port=free_port(), chroma_port=None, chroma_path=Path(tmp)) as cluster:
+        with Cluster(args.replicas, flags, Path(tmp) / "logs", first_vllm_port=free_port(), router_port=None,
+                     router_metrics_port=None, chroma_port=None, chroma_path=Path(tmp)) as cluster:
             chroma = args.chroma_path or Path(tmp) / "chroma"
             phases = asyncio.run(_run(args, dataset, stream, cluster, chroma))
     payload = {"command": command_line("bench.scale_out", argv),

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from app.core.devices import has_cuda
 from app.core.version import add_version
-from app.vllm.process import Child, app_child, chroma_child, vllm_argv
+from app.vllm.process import Child, app_child, chroma_child, free_port, vllm_argv
 
 # vllm-router's flags, the same in docker/compose.yaml. consistent_hash is keyed by X-Session-ID, which prefixrag
 # sets to the prompt's stable prefix (app.rag.affinity). Measured with a SIGKILLed replica: by default the router
@@ -52,19 +52,18 @@ class Cluster:
     """The topology as a context manager (the CLI, the scale-out benchmark and the tests use it)."""
 
     def __init__(self, replicas: int, vllm_flags: list[str], logs: Path, *, first_vllm_port: int,
-                 router_port: int, router_metrics_port: int, chroma_port: int | None, chroma_path: Path,
-                 replica_env: dict[str, str] | None = None, startup_timeout_s: float = 900) -> None:
+                 router_port: int | None, router_metrics_port: int | None, chroma_port: int | None,
+                 chroma_path: Path, replica_env: dict[str, str] | None = None, startup_timeout_s: float = 900) -> None:
+        """``router_port``/``router_metrics_port`` None: free ones, picked as the router starts (and picked again
+        if another process took one meanwhile: the replicas bind ports of their own while they load)."""
         logs.mkdir(parents=True, exist_ok=True)
         self.logs, self.startup_timeout_s = logs, startup_timeout_s
         self.replica_ports = [first_vllm_port + i for i in range(replicas)]
         devices = replica_devices(replicas, has_cuda())
         self.replicas = [Child(f"vLLM replica {i}", vllm_argv(port, *vllm_flags), logs / f"vllm-{i}.log",
                                devices[i] | (replica_env or {})) for i, port in enumerate(self.replica_ports)]
-        self.router_port = router_port
-        self.router = Child("vllm-router", [
-            sys.executable, "-m", "vllm_router.launch_router", "--host", "127.0.0.1", "--port", str(router_port),
-            "--worker-urls", *self.replica_urls, *ROUTER_FLAGS,
-            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(router_metrics_port)], logs / "router.log")
+        self._router_ports = router_port, router_metrics_port
+        self.router = self._router_child(router_port or 0, router_metrics_port or 0)  # 0: picked as it starts
         self.chroma_port = chroma_port
         self.chroma = None if chroma_port is None else chroma_child(chroma_path, chroma_port, logs / "chroma.log")
 
@@ -93,11 +92,33 @@ class Cluster:
                 self.chroma.wait_for(f"{self.chroma_url}/api/v2/heartbeat", 120)
             for i in range(len(self.replicas)):
                 self.wait_replica(i)
-            self.router.start().wait_for(f"http://127.0.0.1:{self.router_port}/readiness", 120)
+            self._start_router()
         except BaseException:
             self.__exit__()
             raise
         return self
+
+    def _router_child(self, port: int, metrics_port: int) -> Child:
+        self.router_port = port
+        return Child("vllm-router", [
+            sys.executable, "-m", "vllm_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
+            "--worker-urls", *self.replica_urls, *ROUTER_FLAGS,
+            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port)], self.logs / "router.log")
+
+    def _start_router(self) -> None:
+        """Start it and wait until it serves; where its ports were ours to pick, a router that exits at once (a
+        port taken since it was picked) is started again on new ones."""
+        ours = self._router_ports == (None, None)
+        attempts = 3 if ours else 1
+        for attempt in range(1, attempts + 1):
+            if ours:
+                self.router = self._router_child(free_port(), free_port())
+            try:
+                self.router.start().wait_for(f"http://127.0.0.1:{self.router_port}/readiness", 120)
+                return
+            except RuntimeError:  # it exited (a timeout is not retried)
+                if attempt == attempts:
+                    raise
 
     def wait_replica(self, index: int) -> None:
         self.replicas[index].wait_for(f"{self.replica_urls[index]}/v1/models", self.startup_timeout_s)

@@ -28,7 +28,7 @@ ONE_UNIT = {"source_prefix": "log-03.md"}
 def cluster(tmp_path_factory):
     first = free_port()
     with Cluster(2, ["--test-model", "--dev-mode", "--max-model-len", "4096"], tmp_path_factory.mktemp("cluster"),
-                 first_vllm_port=first, router_port=free_port(), router_metrics_port=free_port(), chroma_port=None,
+                 first_vllm_port=first, router_port=None, router_metrics_port=None, chroma_port=None,
                  chroma_path=tmp_path_factory.mktemp("unused"),
                  replica_env={"VLLM_CPU_KVCACHE_SPACE": "1"}, startup_timeout_s=600) as running:
         yield running
