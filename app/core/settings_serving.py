@@ -206,6 +206,10 @@ class ServiceSettings(BaseModel):
     prompts_dir: Path = Field(Path(__file__).resolve().parents[2] / "prompts", description="Prompt templates.")
     model_id: str = Field("prefixrag", description="Model id the OpenAI-compatible API lists.")
     append_sources: bool = Field(False, description="Append a 'Sources:' list to chat answers for text-only UIs.")
+    otlp_traces_url: str | None = Field(
+        None, description="OTLP/HTTP endpoint receiving a trace per answer (e.g. http://collector:4318/v1/traces): "
+        "spans for admission, retrieval, arranging the prompt and vLLM, tokens as attributes; the standard "
+        "OTEL_EXPORTER_OTLP_* variables (headers, timeout) apply. Empty (default): no tracing.")
     cors_origins: Annotated[list[str], NoDecode] = Field(
         [], description="Web origins whose pages may call this API from the browser (CORS), comma-separated, e.g. "
         "'https://chat.example.com,http://localhost:3000'; '*' allows any. Empty (default): no CORS headers, so "

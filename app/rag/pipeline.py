@@ -14,6 +14,7 @@ from typing import Any
 from app.core.errors import BadRequest, ContextTooLong
 from app.core.metrics import ServiceMetrics
 from app.core.settings import RequestLimits, SamplingSettings
+from app.core.tracing import AnswerTraces
 from app.rag.affinity import affinity_key
 from app.rag.budget import TokenEstimator
 from app.rag.context import ContextChunk, PromptBuilder
@@ -100,10 +101,11 @@ class Answer:
 class Pipeline:
     def __init__(self, limits: RequestLimits, sampling: SamplingSettings, index: CollectionIndex,
                  ranker: Ranker, llm: LLM, builder: PromptBuilder, planner: ContextPlanner,
-                 estimator: TokenEstimator, metrics: ServiceMetrics, prompt_ids: PromptIds | None = None) -> None:
+                 estimator: TokenEstimator, metrics: ServiceMetrics, prompt_ids: PromptIds | None = None,
+                 traces: AnswerTraces | None = None) -> None:
         self.limits, self.sampling, self.index, self.ranker, self.llm = limits, sampling, index, ranker, llm
         self.builder, self.planner, self.estimator = builder, planner, estimator
-        self.metrics, self.prompt_ids = metrics, prompt_ids
+        self.metrics, self.prompt_ids, self.traces = metrics, prompt_ids, traces
         self.rules = RequestRules(limits)
         self._retrievals: AsyncLRU[Ranking] = AsyncLRU(RETRIEVAL_CACHE_SIZE)
         self._first_contexts: AsyncLRU[list[ContextChunk]] = AsyncLRU(RETRIEVAL_CACHE_SIZE)
@@ -190,6 +192,13 @@ class Pipeline:
         self.metrics.observe_answer(prompt.strategy, completion.prompt_tokens, completion.cached_tokens,
                                     first_token - clock.started)
         times = clock.times(first_token, done)
+        if self.traces is not None and self.traces.on:
+            clock.marks["done"] = done
+            self.traces.answer(clock.marks, first_token, {
+                "prefixrag.strategy": prompt.strategy, "gen_ai.usage.input_tokens": completion.prompt_tokens,
+                "prefixrag.cached_tokens": completion.cached_tokens,
+                "gen_ai.usage.output_tokens": completion.completion_tokens,
+                "prefixrag.finish_reason": completion.finish_reason or "", "prefixrag.ttft_ms": times.ttft})
         log.info("answered: strategy=%s prompt=%d cached=%d completion=%d finish=%s ttft_ms=%.0f total_ms=%.0f",
                  prompt.strategy, completion.prompt_tokens, completion.cached_tokens, completion.completion_tokens,
                  completion.finish_reason, times.ttft, times.total)

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from app.core.metrics import ServiceMetrics
 from app.core.settings import Settings, TrafficSettings
+from app.core.tracing import AnswerTraces
 from app.rag.budget import TokenEstimator
 from app.rag.context import PromptBuilder
 from app.rag.index import CollectionIndex
@@ -44,6 +45,7 @@ class Clients:
     ranker: Ranker  # what ranks the requests' questions: ``retriever``, or a pool of worker processes
     templates: PromptTemplates
     prompt_ids: PromptIds  # prompts whose head was seen before go to vLLM as token ids
+    traces: AnswerTraces  # a trace per answer to an OTLP endpoint, where one is set
 
 
 @dataclass
@@ -91,6 +93,7 @@ class Services:
         clients = self.clients
         self.planner.close()
         clients.prompt_ids.close()
+        clients.traces.close()
         clients.index.close()
         if isinstance(clients.ranker, RetrievalPool):
             await clients.ranker.aclose()
@@ -131,7 +134,8 @@ async def build_services(settings: Settings, *, embedder: Embedder | None = None
     if workers:
         ranker = RetrievalPool(WorkerConfig(settings.chroma, settings.embedding, settings.retrieval,
                                             settings.pages), workers, metrics.retrieval_stages)
-    clients = Clients(settings, executor, encoder, llm, upstream, index, retriever, ranker, templates, prompt_ids)
+    clients = Clients(settings, executor, encoder, llm, upstream, index, retriever, ranker, templates, prompt_ids,
+                      AnswerTraces(settings.service.otlp_traces_url))
     return assemble(clients, settings, metrics)
 
 
@@ -145,7 +149,7 @@ def assemble(clients: Clients, settings: Settings, metrics: ServiceMetrics) -> S
                              clients.settings.chroma.collection, estimator)
     traffic = admission(settings.traffic)
     pipeline = Pipeline(settings.limits, settings.sampling, clients.index, clients.ranker, clients.llm, builder,
-                        planner, estimator, metrics, clients.prompt_ids)
+                        planner, estimator, metrics, clients.prompt_ids, clients.traces)
     warmer = Warmer(settings.warmup, planner, clients.llm, estimator, clients.upstream, traffic)
     queue = EngineQueue(traffic, clients.upstream, settings.traffic.load_interval_s) if traffic.auto else None
     watcher = CollectionWatcher(clients.index, clients.ranker)
