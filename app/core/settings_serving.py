@@ -148,6 +148,10 @@ class WarmupSettings(BaseModel):
         "this many new prompt tokens (0: whole): vLLM finishes an engine step before it takes a newly arrived "
         "user request, so the step a warm-up can occupy must be short; larger pieces warm faster, and delay a "
         "question asked meanwhile more.")
+    beside_users: int = Field(
+        1, ge=0, description="Pre-warm requests that may run at once while users' requests are present, only while "
+        "vLLM's last reading of its queue showed none waiting (admission 'auto' reads it): under steady traffic "
+        "pre-warm still progresses, e.g. after an ingest. 0: pre-warm runs only while no user request is present.")
     priority: int = Field(
         10, ge=1, description="vLLM priority of pre-warm requests (user requests: 0; lower goes first). Needs "
         "vLLM started with --scheduling-policy priority, as python -m app.vllm_server does; elsewhere it is dropped.")

@@ -2,9 +2,8 @@
 
 Users hold *slots* (at most ``max_in_flight`` requests in the pipeline at once, ``max_queued`` more waiting
 for one); beyond that a request is refused at once with 429 + Retry-After rather than answered late: vLLM
-itself would queue without bound. Background requests (pre-warm) run through ``yielding``: they start only
-while no user request is present and are aborted (and later re-sent) the moment one arrives, because vLLM's
-scheduler never preempts a running chunked prefill for a newly arrived request, whatever its priority.
+itself would queue without bound. Background work (pre-warm) gives way to users through
+``app.runtime.background``, from the state kept here: users present or not, vLLM's queue as last read.
 """
 
 from __future__ import annotations
@@ -14,12 +13,11 @@ import collections
 import contextlib
 import math
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
 from typing import TypeVar
 
 from app.core.errors import Overloaded
-from app.rag.index import BACKGROUND
 from app.runtime.returns import Returns
 
 T = TypeVar("T")
@@ -59,14 +57,14 @@ class LiveTraffic:
         self._waiting: collections.deque[asyncio.Future[None]] = collections.deque()
         self.present = 0  # user requests admitted: in flight or queued
         self.refused = 0
-        self.yields = 0  # background requests aborted for a user
+        self.yields = 0  # background requests aborted for a user (``Background`` counts them)
         self.service_s = 1.0  # moving average of how long a request holds its slot (for Retry-After)
         self._idle, self._busy = asyncio.Event(), asyncio.Event()
         self._idle.set()
         self._room_until = 0.0  # vLLM queued nothing at its last reading, which counts until then
         self._growth = 0  # places the limit may still grow by before vLLM's queue is read again
-        self._queueing = False  # vLLM's last reading showed requests waiting in its queue
         self._queued_at = -math.inf  # when a reading last showed requests waiting in vLLM's queue (monotonic s)
+        self._congested = asyncio.Event()  # set while vLLM's last reading showed requests waiting in its queue
         self._refused_at = -math.inf  # when a request was last refused (monotonic s)
         self._cut_at: float | None = None  # stopping: when requests still running are ended (monotonic s)
         self.returns = Returns()  # refused connections, and when each was told to come back
@@ -88,6 +86,25 @@ class LiveTraffic:
         return self._busy
 
     @property
+    def idle(self) -> asyncio.Event:
+        """Set while no user request is present."""
+        return self._idle
+
+    @property
+    def congested(self) -> asyncio.Event:
+        """Set while vLLM's last reading of its queue showed requests waiting there."""
+        return self._congested
+
+    @property
+    def changed(self) -> asyncio.Event:
+        """Set (and replaced) at the next reading of vLLM's queue or the next place freed."""
+        return self._changed
+
+    @property
+    def _queueing(self) -> bool:
+        return self._congested.is_set()
+
+    @property
     def queued(self) -> int:
         """Admitted requests waiting for a place (the limit may have come down below those running)."""
         return self.present - self.running
@@ -102,7 +119,7 @@ class LiveTraffic:
         those vLLM runs of ours."""
         if self.auto is None:
             return
-        self._queueing = waiting > 0
+        (self._congested.set if waiting > 0 else self._congested.clear)()
         if self._queueing:
             self._queued_at, self._room_until, self._growth = time.monotonic(), 0.0, 0
             self._set_limit(max(self.auto.low, min(self.max_in_flight, self.running - int(waiting))))
@@ -243,25 +260,9 @@ class LiveTraffic:
         waves = (self.queued + 1) / self.max_in_flight
         return max(1, min(MAX_RETRY_AFTER_S, math.ceil(waves * self.service_s)))
 
-    @contextlib.contextmanager
-    def background(self) -> Iterator[None]:
-        """Mark the work run inside as background: its store reads wait until no user request is present."""
-        token = BACKGROUND.set(self._idle.wait)
-        try:
-            yield
-        finally:
-            BACKGROUND.reset(token)
-
-    async def yielding(self, work: Callable[[], Awaitable[T]]) -> T:
-        """Run ``work`` (a background request) while no user request is present; abort it when one arrives
-        and run it again once they are all gone. Blocks computed before an abort stay in vLLM's prefix cache,
-        so a re-run mostly hits."""
-        while True:
-            await self._idle.wait()
-            finished, result = await unless(work(), self._busy.wait())  # cancelling closes its HTTP request
-            if finished:
-                return result  # type: ignore[return-value]  # finished: work's own result
-            self.yields += 1
+    def engine_has_room(self) -> bool:
+        """vLLM's last reading of its queue (``auto`` only), still fresh, showed no request waiting."""
+        return not self._queueing and time.monotonic() <= self._room_until
 
     def _arrive(self) -> None:
         self.present += 1

@@ -1,8 +1,9 @@
 """Pre-warm: put what requests will ask for into vLLM's prefix cache before they ask, without ever delaying
 one. The lifespan owns one ``Warmer``; it starts when vLLM (re)appears or the collection changes, asks the
 planner for a plan (``ContextPlanner.warm_plan``) and sends it in the background: every warm-up request gives
-way to user traffic (``LiveTraffic.yielding``) and is sent at a lower vLLM priority; the whole run is bounded by
-time and by an absolute token budget besides a KV share. Readiness never waits for it."""
+way to user traffic (``app.runtime.background``: while users are present, a bounded share runs only where vLLM
+has room) and is sent at a lower vLLM priority; the whole run is bounded by time and by an absolute token budget
+besides a KV share. Readiness never waits for it."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from app.rag.affinity import affinity_key
 from app.rag.budget import TokenEstimator
 from app.rag.planner import ContextPlanner, WarmPlan, WarmUnit
 from app.rag.seams import LLM
+from app.runtime.background import Background
 from app.runtime.traffic import LiveTraffic
 from app.runtime.upstream import Upstream
 from app.vllm.wire import UpstreamInfo
@@ -47,7 +49,7 @@ class Warmer:
     def __init__(self, settings: WarmupSettings, planner: ContextPlanner, llm: LLM, estimator: TokenEstimator,
                  upstream: Upstream, traffic: LiveTraffic) -> None:
         self.settings, self.planner, self.llm, self.estimator = settings, planner, llm, estimator
-        self.upstream, self.traffic = upstream, traffic
+        self.upstream, self.background = upstream, Background(traffic, settings.beside_users)
         self.progress = WarmupProgress()
         self.priority = settings.priority  # dropped (0) if vLLM does not schedule by priority
         # What is cached now, with each prompt's routing key (benchmarks prime their ceiling with it and replay it).
@@ -89,7 +91,7 @@ class Warmer:
         self.progress, self.warmed_prompts, self._started = WarmupProgress(state="warming"), [], time.monotonic()
         self.progress.token_budget = min(int(info.kv_cache_tokens * self.settings.kv_share),
                                          self.settings.max_tokens)
-        with self.traffic.background():
+        with self.background.reads():
             await self._warm_all(info)
         self.progress.seconds = round(time.monotonic() - self._started, 3)
         log.info("pre-warm %s: %d/%d units, %d tokens in %.1fs", self.progress.state, self.progress.units_warmed,
@@ -151,7 +153,7 @@ class Warmer:
         """One warm-up request (1 output token), yielding to users, routed like the requests that will use its
         prefix (``key``); returns the prompt tokens vLLM counted. A piece (not ``whole``) only prepares the
         cache for the next one and is not counted."""
-        response = await self.traffic.yielding(lambda: self._complete(messages, key))
+        response = await self.background.yielding(lambda: self._complete(messages, key))
         tokens: int = response.usage.prompt_tokens  # vLLM counted the prompt it just cached: no /tokenize
         self.estimator.observe(messages, tokens)
         if not whole:

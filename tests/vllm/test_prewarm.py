@@ -143,6 +143,7 @@ async def test_background_store_reads_wait_while_a_user_request_is_present(colle
 
     from app.core.settings import Settings
     from app.rag.retriever import Retriever
+    from app.runtime.background import Background
     from app.runtime.traffic import LiveTraffic
 
     settings = Settings(_env_file=None)
@@ -150,7 +151,7 @@ async def test_background_store_reads_wait_while_a_user_request_is_present(colle
     retriever, traffic = Retriever.over(embedder, settings.chroma, ThreadPoolExecutor(1)), LiveTraffic(1, 0)
     try:
         async with traffic.slot():
-            with traffic.background():
+            with Background(traffic, beside_users=1).reads():  # no reading of vLLM's queue: no room known
                 scan = asyncio.create_task(retriever.index.chunks_where(None, texts=False))
             user = await retriever.index.chunks_where(None, texts=False)  # a user's read is not held back
             await asyncio.sleep(0.5)
@@ -158,3 +159,45 @@ async def test_background_store_reads_wait_while_a_user_request_is_present(colle
         assert len(await asyncio.wait_for(scan, 30)) == len(user) > 0
     finally:
         retriever.index.close()
+
+
+@pytest.mark.parametrize("beside_users", [1, 0])
+def test_pre_warm_progresses_under_steady_traffic_only_with_a_share_beside_users(books, vllm_url, embedder,
+                                                                                beside_users):
+    """Three clients asking without pause keep a user request present nearly all the time: pre-warm, which
+    otherwise sends only in the moments with none (here: the clients' own gaps between requests), also warms its
+    units beside them while vLLM queues nothing (admission 'auto' reads its queue): it gets through its budget of
+    six units in a few seconds, which without a share (0) it does not reach in 20."""
+    import threading
+
+    chroma, _ = books
+    reset_prefix_cache(vllm_url)
+    settings = app_settings(chroma, vllm_url, collection="books", strategy="document", hotness_dir=None,
+                            warm_max_tokens=12_000, warm_beside_users=beside_users, max_tokens=2)
+    stop, answered = threading.Event(), []
+    with AppServer(create_app(settings, embedder=embedder)) as server:
+        def client(number: int) -> None:
+            with httpx.Client(base_url=server.url, timeout=120) as http:
+                while not stop.is_set():
+                    response = http.post("/ask", json={"question": f"What is in book {number}?", "max_tokens": 2})
+                    answered.append(response.status_code)
+
+        clients = [threading.Thread(target=client, args=(n,)) for n in range(3)]
+        for thread in clients:
+            thread.start()
+        try:
+            started = time.monotonic()
+            while time.monotonic() - started < 20:
+                warmup = httpx.get(server.url + "/readyz", timeout=PROBE_TIMEOUT).json()["warmup"]
+                if warmup["state"] != "warming":
+                    break
+                time.sleep(0.2)
+        finally:
+            stop.set()
+            for thread in clients:
+                thread.join(120)
+    assert set(answered) == {200} and len(answered) > 10
+    if beside_users:
+        assert warmup["state"] == "stopped: token budget (12000)" and warmup["units_warmed"] >= 6, warmup
+    else:  # only the clients' gaps: a few units (about one in 8 s on this machine), far from the budget
+        assert warmup["state"] == "warming" and warmup["units_warmed"] < 6, warmup

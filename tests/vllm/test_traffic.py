@@ -29,6 +29,7 @@ pytestmark = pytest.mark.vllm
 
 def test_a_background_request_is_aborted_in_vllm_when_a_user_arrives_and_resent_after(vllm_url):
     from app.core.settings import VLLMSettings
+    from app.runtime.background import Background
     from app.runtime.traffic import LiveTraffic
     from app.vllm.client import LLMClient
 
@@ -46,7 +47,7 @@ def test_a_background_request_is_aborted_in_vllm_when_a_user_arrives_and_resent_
                                                        temperature=0.0, prefix_key="warmup", stream=False,
                                                        sampling=IGNORE_EOS))
 
-        background = asyncio.create_task(traffic.yielding(warm_request))
+        background = asyncio.create_task(Background(traffic).yielding(warm_request))
         await asyncio.to_thread(wait_until, lambda: running(vllm_url) == 1, 30, "the warm-up request running")
         async with traffic.slot():  # a user arrives
             await asyncio.to_thread(wait_until, lambda: running(vllm_url) == 0, 10, "vLLM aborting the warm-up")
