@@ -55,11 +55,13 @@ class _StateCollector:
         warmup, traffic = state.warmup, state.traffic
         yield GaugeMetricFamily("prefixrag_ready", "1 when the service can answer (vLLM up, collection readable).",
                                 value=int(state.ready))
-        units = GaugeMetricFamily("prefixrag_warmup_units", "Pre-warm units planned and warmed.", labels=["kind"])
+        units = GaugeMetricFamily("prefixrag_warmup_units", "Pre-warm units planned, warmed, and of those warmed "
+                                  "kept (unchanged since an earlier pre-warm, not sent again).", labels=["kind"])
         units.add_metric(["planned"], warmup.units_planned)
         units.add_metric(["warmed"], warmup.units_warmed)
+        units.add_metric(["kept"], warmup.units_kept)
         yield units
-        yield GaugeMetricFamily("prefixrag_warmup_tokens", "Prompt tokens the current pre-warm has sent.",
+        yield GaugeMetricFamily("prefixrag_warmup_tokens", "Prompt tokens the current pre-warm has sent or kept.",
                                 value=warmup.tokens)
         yield GaugeMetricFamily("prefixrag_warmup_done", "1 once the current pre-warm has finished.",
                                 value=int(warmup.done))

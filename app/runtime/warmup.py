@@ -8,6 +8,8 @@ besides a KV share. Readiness never waits for it."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import json
 import logging
 import time
 from dataclasses import dataclass
@@ -33,7 +35,8 @@ class WarmupProgress:
     prefix_tokens: int = 0  # the stable prefix (system prompt): warmed first
     units_planned: int = 0
     units_warmed: int = 0
-    tokens: int = 0  # prompt tokens sent by this warm-up, all of it
+    units_kept: int = 0  # of those warmed: unchanged since this process warmed them for this vLLM, not sent again
+    tokens: int = 0  # prompt tokens this warm-up sent, or kept (``units_kept``), all of it
     token_budget: int = 0
     seconds: float = 0.0
     corpus_chunks: int | None = None
@@ -54,6 +57,9 @@ class Warmer:
         self.priority = settings.priority  # dropped (0) if vLLM does not schedule by priority
         # What is cached now, with each prompt's routing key (benchmarks prime their ceiling with it and replay it).
         self.warmed_prompts: list[tuple[list[dict[str, Any]], str]] = []
+        # Each unit warmed for the vLLM up now (its whole prompt's digest, its key) -> its prompt tokens: after an
+        # ingest, a unit that did not change is not sent again (forgotten when vLLM restarts, its cache empty).
+        self._warm: dict[tuple[str, str], int] = {}
         self._kick = asyncio.Event()
         self._run: asyncio.Task[WarmupProgress] | None = None
         self._started = 0.0
@@ -73,6 +79,8 @@ class Warmer:
                 finally:
                     for wait in waits:
                         wait.cancel()
+                if appeared.is_set():  # vLLM (re)started: nothing is cached there
+                    self._warm.clear()
                 appeared.clear()
                 kicked.clear()
                 if self.upstream.info is not None:
@@ -129,12 +137,25 @@ class Warmer:
 
         async def worker() -> None:
             while self._within_bounds() and (unit := await next_unit()) is not None:
+                signature = (hashlib.blake2b(json.dumps(unit.pieces[-1]).encode()).hexdigest(), unit.affinity)
+                if (kept := self._warm.get(signature)) is not None:
+                    self._kept(unit, kept)
+                    continue
                 for number, piece in enumerate(unit.pieces, 1):
-                    await self._send(piece, unit.affinity, whole=number == len(unit.pieces))
+                    tokens = await self._send(piece, unit.affinity, whole=number == len(unit.pieces))
+                self._warm[signature] = tokens
                 self.progress.units_warmed += 1
 
         await asyncio.gather(*(worker() for _ in range(self.settings.concurrency)))
         self.progress.units_planned = plan.planned
+
+    def _kept(self, unit: WarmUnit, tokens: int) -> None:
+        """A unit warmed before, unchanged: counted as warm, not sent (what evicted it since, if anything, was
+        users' traffic, which vLLM's LRU cache favours)."""
+        self.warmed_prompts.append((unit.pieces[-1], unit.affinity))
+        self.progress.tokens += tokens
+        self.progress.units_warmed += 1
+        self.progress.units_kept += 1
 
     def _within_bounds(self) -> bool:
         """True while pre-warm may send more; else it records which bound stopped it."""

@@ -156,3 +156,32 @@ print(json.dumps([before, gc.get_freeze_count()]))
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, check=True)
     before, after = json.loads(done.stdout)
     assert after >= before + 200_000
+
+
+def test_after_an_ingest_pre_warm_sends_only_the_units_that_changed(tmp_path, embedder):
+    """Pre-warm starts again after an ingest; a unit it warmed before, unchanged and with vLLM still up, is
+    counted warm without being sent again: only the edited document's unit goes to vLLM."""
+    from app.vllm.prometheus import metric_total
+    from tests.support.env import run_cli
+
+    docs, chroma = tmp_path / "docs", tmp_path / "chroma"
+    notes = write_notes(docs)
+    settings = app_settings(chroma, "http://unused/v1", collection="rewarm", strategy="document", hotness_dir=None)
+    settings.pages.tokens, settings.chroma.poll_s = 0, 0.2  # every note is a unit of its own
+    run_ingest([docs], settings, embedder)
+    fake = FakeVLLM()
+    with AppServer(create_app(settings, embedder=embedder, llm=fake)) as server:
+        first = server.wait_warmed(done=True, timeout=60)["warmup"]
+        sent_before = len(fake.prompts)
+        edited = dict(notes, **{"para-001": notes["para-001"] + " Edited later."})
+        (docs / "notes.jsonl").write_text("".join(json.dumps({"id": i, "text": t}) + "\n" for i, t in edited.items()))
+        assert run_cli(str(docs), "--chroma-path", str(chroma), "--collection", "rewarm",
+                       env={"PREFIXRAG_PAGES__TOKENS": "0"}).returncode == 0
+        while metric_total(httpx.get(server.url + "/metrics", timeout=PROBE_TIMEOUT).text,
+                           "prefixrag_collection_reloads_total") < 1:
+            time.sleep(0.1)
+        again = server.wait_warmed(done=True, timeout=60)["warmup"]
+    assert first["units_warmed"] == again["units_warmed"] == len(notes) > 3 and first["units_kept"] == 0
+    assert again["units_kept"] == len(notes) - 1 and again["tokens"] >= first["tokens"]
+    units_sent = [m for m in fake.prompts[sent_before:] if '<document id="' in m[-1]["content"]]
+    assert units_sent and all("Edited later." in json.dumps(m) for m in units_sent), "only the edited one"
