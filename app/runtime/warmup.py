@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from app.core.errors import BadRequest, ServiceError, StoreUnavailable
+from app.core.errors import BadRequest, ContextTooLong, ServiceError, StoreUnavailable
 from app.core.settings import WarmupSettings
 from app.rag.affinity import affinity_key
 from app.rag.budget import TokenEstimator
@@ -36,6 +36,7 @@ class WarmupProgress:
     units_planned: int = 0
     units_warmed: int = 0
     units_kept: int = 0  # of those warmed: unchanged since this process warmed them for this vLLM, not sent again
+    units_too_long: int = 0  # planned units vLLM refused as longer than its window (a request trims them anyway)
     tokens: int = 0  # prompt tokens this warm-up sent, or kept (``units_kept``), all of it
     token_budget: int = 0
     seconds: float = 0.0
@@ -141,13 +142,25 @@ class Warmer:
                 if (kept := self._warm.get(signature)) is not None:
                     self._kept(unit, kept)
                     continue
-                for number, piece in enumerate(unit.pieces, 1):
-                    tokens = await self._send(piece, unit.affinity, whole=number == len(unit.pieces))
+                try:
+                    for number, piece in enumerate(unit.pieces, 1):
+                        tokens = await self._send(piece, unit.affinity, whole=number == len(unit.pieces))
+                except ContextTooLong as exc:  # one unit, not the warm-up: the others still fit
+                    self._too_long(unit, exc)
+                    continue
                 self._warm[signature] = tokens
                 self.progress.units_warmed += 1
 
         await asyncio.gather(*(worker() for _ in range(self.settings.concurrency)))
         self.progress.units_planned = plan.planned
+
+    def _too_long(self, unit: WarmUnit, exc: ContextTooLong) -> None:
+        """A unit whose prompt the window cannot hold (its size was estimated from characters, and this text has
+        fewer per token): skipped; a question about it gets the unit's best chunks that fit, as every prompt does."""
+        self.progress.units_too_long += 1
+        if self.progress.units_too_long == 1:
+            log.warning("pre-warm skips unit %s, longer than vLLM's window: %s (further ones counted on /readyz)",
+                        unit.key, exc.message)
 
     def _kept(self, unit: WarmUnit, tokens: int) -> None:
         """A unit warmed before, unchanged: counted as warm, not sent (what evicted it since, if anything, was

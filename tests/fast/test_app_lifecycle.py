@@ -185,3 +185,23 @@ def test_after_an_ingest_pre_warm_sends_only_the_units_that_changed(tmp_path, em
     assert again["units_kept"] == len(notes) - 1 and again["tokens"] >= first["tokens"]
     units_sent = [m for m in fake.prompts[sent_before:] if '<document id="' in m[-1]["content"]]
     assert units_sent and all("Edited later." in json.dumps(m) for m in units_sent), "only the edited one"
+
+
+def test_a_unit_longer_than_the_window_is_skipped_and_pre_warm_goes_on(tmp_path, embedder):
+    """A unit is sized from its characters; text with fewer characters per token than that assumes (code, markup)
+    can make a page longer than vLLM's window. vLLM refuses that one; pre-warm skips it and warms the rest."""
+    docs, chroma = tmp_path / "docs", tmp_path / "chroma"
+    write_notes(docs)
+    settings = app_settings(chroma, "http://unused/v1", collection="pages", strategy="document", hotness_dir=None)
+    settings.pages.tokens = 512
+    run_ingest([docs], settings, embedder)
+    roomy = FakeVLLM(max_model_len=32_768)
+    with AppServer(create_app(settings, embedder=embedder, llm=roomy)) as server:
+        server.wait_warmed(done=True, timeout=60)
+        prefix, *units = server.app.state.services.warmer.warmed_prompts  # the system prompt goes first
+        sizes = sorted(len(roomy.tokens(messages)) for messages, _ in units)
+    window = sizes[len(sizes) // 2] + settings.limits.max_tokens  # the bigger pages no longer fit
+    with AppServer(create_app(settings, embedder=embedder, llm=FakeVLLM(max_model_len=window))) as server:
+        warmup = server.wait_warmed(timeout=60, done=True)["warmup"]
+    assert warmup["state"] == "done" and warmup["units_too_long"] >= 1 and warmup["units_warmed"] >= 1
+    assert warmup["units_warmed"] + warmup["units_too_long"] == warmup["units_planned"]
