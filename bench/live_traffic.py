@@ -146,11 +146,13 @@ async def phases(args, url: str, vllm_url: str, pid: int, drawn: tuple[list[str]
     }
 
 
-async def timed_question(client: httpx.AsyncClient, question: str, started: float, gap_s: float) -> dict:
+async def timed_question(client: httpx.AsyncClient, question: str, started: float, gap_s: float,
+                         max_tokens: int | None = None) -> dict:
     warming = (await client.get("/readyz")).json()["warmup"]["state"] == "warming"
     sent = time.monotonic()
     first, done = None, {}
-    async with aconnect_sse(client, "POST", "/ask", json={"question": question, "stream": True}) as source:
+    body = {"question": question, "stream": True} | ({"max_tokens": max_tokens} if max_tokens else {})
+    async with aconnect_sse(client, "POST", "/ask", json=body) as source:
         response = source.response
         if response.status_code == 200:  # else a JSON error body (429, 503), not a stream
             async for event in source.aiter_sse():
