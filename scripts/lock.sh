@@ -12,3 +12,7 @@ cd "$(dirname "$0")/.."
   .venv/bin/python -m pip freeze --exclude-editable | grep -v '^#' | LC_ALL=C sort -f
 } > scripts/constraints.txt
 echo "[lock] scripts/constraints.txt: $(grep -vc '^#' scripts/constraints.txt) packages" >&2
+{
+  echo "# The LlamaIndex client's environment (.venv-llamaindex, made by scripts/setup.sh), pinned by scripts/lock.sh."
+  .venv-llamaindex/bin/python -m pip freeze | grep -v '^#' | LC_ALL=C sort -f
+} > scripts/constraints-llamaindex.txt

@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 
 PYTHON=${PYTHON:-$(command -v python3.11 || command -v python3)}
 stamp=.venv/.prefixrag-setup
-want=$(cat pyproject.toml scripts/constraints.txt scripts/setup.sh | sha256sum | cut -d' ' -f1)
+want=$(cat pyproject.toml scripts/constraints*.txt scripts/setup.sh | sha256sum | cut -d' ' -f1)
 if [[ -f $stamp && $(cat "$stamp") == "$want" ]]; then
   exit 0
 fi
@@ -23,5 +23,9 @@ echo "[setup] creating/updating .venv with $PYTHON" >&2
 .venv/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 .venv/bin/python -c "import vllm, vllm_router, chromadb, sentence_transformers, fastapi" 2>/dev/null \
   || { echo "[setup] import check failed" >&2; exit 1; }
+# LlamaIndex's OpenAI integration needs openai<3, ours is 3.x: its client test drives the service from an
+# environment of its own, as a LlamaIndex user's would be (scripts/constraints-llamaindex.txt).
+[[ -x .venv-llamaindex/bin/python ]] || "$PYTHON" -m venv .venv-llamaindex
+.venv-llamaindex/bin/python -m pip install -q -c scripts/constraints-llamaindex.txt llama-index-llms-openai-like
 echo "$want" > "$stamp"
 echo "[setup] .venv ready" >&2

@@ -128,3 +128,49 @@ def chat_openai(server, **options):
 
     return ChatOpenAI(base_url=server.url + "/v1", api_key="unused", model="prefixrag", max_retries=0, timeout=120,
                       **options)
+
+
+LLAMAINDEX = """
+import json, sys
+from llama_index.core.llms import ChatMessage
+from llama_index.llms.openai_like import OpenAILike
+
+url, question = sys.argv[1], sys.argv[2]
+common = dict(model="prefixrag", api_base=url, api_key="unused", max_tokens=8, timeout=120, max_retries=0)
+text = OpenAILike(**common)  # is_chat_model False by default: /v1/completions
+chat = OpenAILike(**common, is_chat_model=True)
+print(json.dumps({
+    "complete": text.complete(question).text,
+    "stream": "".join(part.delta for part in text.stream_complete(question)),
+    "chat": chat.chat([ChatMessage(role="user", content=question)]).message.content,
+}))
+"""
+
+
+def test_llamaindexs_openai_like_completes_streams_and_chats(server):
+    """LlamaIndex's ``OpenAILike`` as its users build it, from an environment of its own (its OpenAI integration
+    needs openai<3): text completions by default, streamed, and chat; each reaches the route it should."""
+    import subprocess
+
+    from tests.support.env import ROOT
+
+    python = ROOT / ".venv-llamaindex" / "bin" / "python"
+    assert python.exists(), "scripts/setup.sh makes .venv-llamaindex"
+    before = httpx.get(server.url + "/metrics", timeout=10).text
+    result = subprocess.run([str(python), "-c", LLAMAINDEX, server.url + "/v1", QUESTION], capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    answers = json.loads(result.stdout)
+    assert all(answers[kind].strip() for kind in ("complete", "stream", "chat")), answers
+    after = httpx.get(server.url + "/metrics", timeout=10).text
+    for handler, count in (("/v1/completions", 2), ("/v1/chat/completions", 1)):
+        assert served(after, handler) - served(before, handler) == count, handler
+
+
+def served(metrics: str, handler: str) -> float:
+    """Requests answered 200 on ``handler`` (prometheus-fastapi-instrumentator's counter)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return sum(sample.value for family in text_string_to_metric_families(metrics) for sample in family.samples
+               if sample.name == "http_requests_total" and sample.labels.get("handler") == handler
+               and sample.labels.get("status") == "200")
