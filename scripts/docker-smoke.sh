@@ -92,7 +92,8 @@ for _ in $(seq 120); do
   curl -sf http://127.0.0.1:8080/readyz >/dev/null && break
   sleep 2
 done
-curl -s http://127.0.0.1:8080/readyz | python3 -m json.tool | head -n 30
+curl -s http://127.0.0.1:8080/readyz | python3 -c 'import json, sys; r = json.load(sys.stdin); print("readyz:", \
+  {k: r[k] for k in ("ready", "reason", "vllm_url")}, "router:", r["router"], "warmup:", r["warmup"]["state"])'
 say "ask"
 curl -sf http://127.0.0.1:8080/ask -H 'content-type: application/json' \
   -d '{"question": "How does prefix caching help?", "max_tokens": 16}' | python3 -c \
