@@ -22,6 +22,7 @@ from app.core.settings import Settings
 from app.core.store import (
     CollectionMissing,
     StoredDocument,
+    first_run_running,
     mark_changed,
     open_collection,
     stored_documents,
@@ -84,6 +85,8 @@ def run_ingest(roots: list[Path], settings: Settings, embedder: Any, *, prune: b
         finally:
             if report.writes and not dry_run:  # stamped again when done: readers that reloaded mid-run reload
                 mark_changed(collection)
+        if collection is not None and not dry_run and first_run_running(collection):
+            mark_changed(collection, run_ended=True)  # the collection's first run ended: services may answer
         if collection is not None and not dry_run:  # rebuilt only when the collection's stamp moved
             lexical.current(collection, settings.chroma, write=True)
             pages.current(collection, settings.chroma, settings.pages, write=True)

@@ -24,6 +24,10 @@ from app.core.settings import ChromaSettings
 os.environ.setdefault("ANONYMIZED_TELEMETRY", "False")
 PAGE = 2000  # rows per paginated get: keeps memory flat on large collections
 GENERATION_KEY = "prefixrag_generation"  # collection metadata: renewed by every ingest that changed something
+# Collection metadata: "running" from the moment an ingest creates the collection until that first run ends; a
+# service does not answer from a collection half-written by its first ingest (no key: made before this existed).
+FIRST_RUN_KEY = "prefixrag_first_run"
+FIRST_RUN_RUNNING = "\0first ingest running"  # read_generation's answer meanwhile
 
 
 class StoreError(Exception):
@@ -80,7 +84,7 @@ def open_collection(cfg: ChromaSettings, embedder: Embedder, create: bool) -> Co
                 raise
             collection = client.get_or_create_collection(
                 cfg.collection, configuration={"hnsw": {"space": "cosine"}}, embedding_function=None,
-                metadata={"embedder": embedder_name, "dimension": embedder.dimension},
+                metadata={"embedder": embedder_name, "dimension": embedder.dimension, FIRST_RUN_KEY: "running"},
             )
     except Exception as exc:
         if not create and "does not exist" in str(exc):
@@ -108,17 +112,26 @@ def stamp_of(collection: Collection) -> tuple[str, int]:
     return (collection.metadata or {}).get(GENERATION_KEY, ""), collection.count()
 
 
-def mark_changed(collection: Collection) -> None:
-    """Renew the collection's generation stamp (under the write lock): services drop what they cached of it."""
-    collection.modify(metadata={**(collection.metadata or {}), GENERATION_KEY: uuid.uuid4().hex})
+def mark_changed(collection: Collection, run_ended: bool = False) -> None:
+    """Renew the collection's generation stamp (under the write lock): services drop what they cached of it.
+    ``run_ended``: an ingest run finished, the collection's first included."""
+    ended = {FIRST_RUN_KEY: "done"} if run_ended else {}
+    collection.modify(metadata={**(collection.metadata or {}), GENERATION_KEY: uuid.uuid4().hex, **ended})
+
+
+def first_run_running(collection: Collection) -> bool:
+    return (collection.metadata or {}).get(FIRST_RUN_KEY) == "running"
 
 
 def read_generation(cfg: ChromaSettings, embedder: Embedder) -> str | None:
-    """The collection's generation as stored now (opened afresh, not a cached object); None while it is missing."""
+    """The collection's generation as stored now (opened afresh, not a cached object); None while it is missing,
+    ``FIRST_RUN_RUNNING`` while the ingest that made it has not finished."""
     try:
         collection = open_collection(cfg, embedder, create=False)
     except CollectionMissing:
         return None
+    if first_run_running(collection):
+        return FIRST_RUN_RUNNING
     return str((collection.metadata or {}).get(GENERATION_KEY, ""))
 
 

@@ -9,6 +9,7 @@ import logging
 from collections.abc import Awaitable, Callable
 
 from app.core.errors import ServiceError
+from app.core.store import FIRST_RUN_RUNNING
 from app.rag.index import CollectionIndex
 from app.rag.seams import Ranker
 
@@ -44,6 +45,9 @@ class CollectionWatcher:
         now = await self.index.generation()
         if now is None:
             self.problem = f"collection {name!r} does not exist: ingest documents first"
+        elif now == FIRST_RUN_RUNNING:  # half-written: answering from it would cite a part of the documents
+            self.problem = f"collection {name!r} is being ingested for the first time: ready when that run ends"
+            return now
         changed = seen is not _UNSEEN and now != seen
         if changed:
             if now is None:  # deleted under us: answer 503 from now on, never from a stale handle

@@ -205,3 +205,24 @@ def test_a_unit_longer_than_the_window_is_skipped_and_pre_warm_goes_on(tmp_path,
         warmup = server.wait_warmed(timeout=60, done=True)["warmup"]
     assert warmup["state"] == "done" and warmup["units_too_long"] >= 1 and warmup["units_warmed"] >= 1
     assert warmup["units_warmed"] + warmup["units_too_long"] == warmup["units_planned"]
+
+
+def test_no_answer_comes_from_a_collection_its_first_ingest_is_still_writing(tmp_path, embedder):
+    """The first ingest creates the collection, then writes it: until that run ends the service is not ready
+    (before, it became ready on the half-written collection and answered from it, with a context of what had
+    been written so far: nothing, in the compose smoke test). Ready, and answering from all of it, once it ends."""
+    from app.core.store import open_collection
+
+    docs, chroma = tmp_path / "docs", tmp_path / "chroma"
+    write_notes(docs)
+    settings = app_settings(chroma, "http://unused/v1", collection="first", hotness_dir=None)
+    settings.chroma.poll_s = 0.2
+    open_collection(settings.chroma, embedder, create=True)  # what ingest does before its first write
+    with AppServer(create_app(settings, embedder=embedder, llm=FakeVLLM())) as server:
+        time.sleep(1)  # several looks at the collection
+        during = httpx.get(server.url + "/readyz", timeout=PROBE_TIMEOUT)
+        run_ingest([docs], settings, embedder)
+        server.wait_ready(30)
+        answer = ask(server, question="What is in the notes?")
+    assert during.status_code == 503 and "being ingested for the first time" in during.json()["reason"]
+    assert answer.status_code == 200 and answer.json()["sources"]
