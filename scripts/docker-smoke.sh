@@ -97,7 +97,7 @@ curl -s http://127.0.0.1:8080/readyz | python3 -c 'import json, sys; r = json.lo
 say "ask"
 curl -sf http://127.0.0.1:8080/ask -H 'content-type: application/json' \
   -d '{"question": "How does prefix caching help?", "max_tokens": 16}' | python3 -c \
-  'import json, sys; a = json.load(sys.stdin); print("answer:", a["answer"][:80], "| sources:", [s["id"] for s in a["sources"]][:3], "| usage:", a["usage"])'
+  'import json, sys; a = json.load(sys.stdin); print("answer:", a["answer"][:80], "| sources:", [s["id"] for s in a["sources"]][:3], "| usage:", a["usage"]); assert a["sources"], "no sources"'
 
 say "down while an answer streams: the app drains it (stop_grace_period above the drain)"
 curl -sN http://127.0.0.1:8080/ask -H 'content-type: application/json' \
