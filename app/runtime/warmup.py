@@ -138,21 +138,25 @@ class Warmer:
 
         async def worker() -> None:
             while self._within_bounds() and (unit := await next_unit()) is not None:
-                signature = (hashlib.blake2b(json.dumps(unit.pieces[-1]).encode()).hexdigest(), unit.affinity)
-                if (kept := self._warm.get(signature)) is not None:
-                    self._kept(unit, kept)
-                    continue
-                try:
-                    for number, piece in enumerate(unit.pieces, 1):
-                        tokens = await self._send(piece, unit.affinity, whole=number == len(unit.pieces))
-                except ContextTooLong as exc:  # one unit, not the warm-up: the others still fit
-                    self._too_long(unit, exc)
-                    continue
-                self._warm[signature] = tokens
-                self.progress.units_warmed += 1
+                await self._warm_unit(unit)
 
         await asyncio.gather(*(worker() for _ in range(self.settings.concurrency)))
         self.progress.units_planned = plan.planned
+
+    async def _warm_unit(self, unit: WarmUnit) -> None:
+        """Send one unit piece by piece, unless it was warmed before as it is now (kept) or is too long."""
+        signature = (hashlib.blake2b(json.dumps(unit.pieces[-1]).encode()).hexdigest(), unit.affinity)
+        if (kept := self._warm.get(signature)) is not None:
+            self._kept(unit, kept)
+            return
+        try:
+            for number, piece in enumerate(unit.pieces, 1):
+                tokens = await self._send(piece, unit.affinity, whole=number == len(unit.pieces))
+        except ContextTooLong as exc:  # one unit, not the warm-up: the others still fit
+            self._too_long(unit, exc)
+            return
+        self._warm[signature] = tokens
+        self.progress.units_warmed += 1
 
     def _too_long(self, unit: WarmUnit, exc: ContextTooLong) -> None:
         """A unit whose prompt the window cannot hold (its size was estimated from characters, and this text has
