@@ -82,11 +82,13 @@ def run_ingest(roots: list[Path], settings: Settings, embedder: Any, *, prune: b
                              before_first_write=lambda: mark_changed(collection))
         try:
             _write_and_prune(files, prepare, stored, ids_by_source, writer, report, settings, prune, progress)
-        finally:
-            if report.writes and not dry_run:  # stamped again when done: readers that reloaded mid-run reload
+        except BaseException:
+            if report.writes and not dry_run:  # stamped again: readers that reloaded mid-run reload
                 mark_changed(collection)
-        if collection is not None and not dry_run and first_run_running(collection):
-            mark_changed(collection, run_ended=True)  # the collection's first run ended: services may answer
+            raise
+        # Stamped again when done (readers that reloaded mid-run reload), and a first run's end lets services answer.
+        if not dry_run and (report.writes or first_run_running(collection)):
+            mark_changed(collection, run_ended=True)
         if collection is not None and not dry_run:  # rebuilt only when the collection's stamp moved
             lexical.current(collection, settings.chroma, write=True)
             pages.current(collection, settings.chroma, settings.pages, write=True)
