@@ -36,6 +36,10 @@ def books(tmp_path_factory, embedder):
     return base / "chroma", report.chunks_written
 
 
+def corpus_chars(base) -> int:
+    return sum(len(path.read_text()) for path in base.glob("*.md"))
+
+
 def test_a_question_during_pre_warm_goes_first_and_pre_warm_finishes_after(books, vllm_url, embedder):
     chroma, chunks = books
     reset_prefix_cache(vllm_url)
@@ -67,9 +71,10 @@ def test_a_question_during_pre_warm_goes_first_and_pre_warm_finishes_after(books
     assert answer.status_code == 200, answer.text
     assert during["traffic"]["warmup_yields"] >= 1, "a warm-up request in flight was aborted for the question"
     assert done["units_warmed"] == done["units_planned"] > 1 and done["tokens"] > 30_000
-    # The corpus (~64K tokens) cannot fit a 4K window: decided from its size, never sent to /tokenize.
+    # The corpus (~64K tokens) cannot fit a 4K window: decided from its size, never sent to /tokenize. Questions'
+    # prompts may be (top_k chunks, before they are cut to the window), a small part of the corpus's characters.
     assert done["corpus_chunks"] == chunks and done["corpus_fits"] is False and done["corpus_tokens"] is None
-    assert not any(size > 20_000 for size in tokenized)
+    assert max(tokenized, default=0) < corpus_chars(chroma.parent) / 4
     assert metric_total(metrics, "prefixrag_warmup_done") == 1
     assert 'prefixrag_warmup_units{kind="warmed"} ' + f"{float(done['units_warmed'])}" in metrics
 
@@ -189,7 +194,7 @@ def test_pre_warm_progresses_under_steady_traffic_only_with_a_share_beside_users
             started = time.monotonic()
             while time.monotonic() - started < 20:
                 warmup = httpx.get(server.url + "/readyz", timeout=PROBE_TIMEOUT).json()["warmup"]
-                if warmup["state"] != "warming":
+                if warmup["state"] not in ("waiting for vLLM", "warming"):  # the first may come before vLLM is seen
                     break
                 time.sleep(0.2)
         finally:
