@@ -205,13 +205,14 @@ async def app_metrics(url: str) -> str:
 
 @contextlib.contextmanager
 def profiled(folder: Path | None, pid: int, name: str) -> Iterator[None]:
-    """py-spy samples ``pid`` (all its threads, 100 Hz) while the body runs; folded stacks into ``folder``."""
+    """py-spy samples ``pid`` and its children (the ranking workers; all threads, 100 Hz) while the body runs;
+    folded stacks into ``folder``."""
     if folder is None:
         yield
         return
     folder.mkdir(parents=True, exist_ok=True)
-    spy = subprocess.Popen([shutil.which("py-spy") or "py-spy", "record", "-p", str(pid), "-r", "100", "-f", "raw",
-                            "--nonblocking", "-o", str(folder / f"profile-{name}.txt")],
+    spy = subprocess.Popen([shutil.which("py-spy") or "py-spy", "record", "-p", str(pid), "--subprocesses",
+                            "-r", "100", "-f", "raw", "--nonblocking", "-o", str(folder / f"profile-{name}.txt")],
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         yield

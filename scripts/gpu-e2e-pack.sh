@@ -27,8 +27,8 @@ mkdir -p "$work/pack/wheels" "$work/pack/data"
 for dataset in $DATASETS; do cp -r "../shared/data/$dataset" "$work/pack/data/"; done
 chmod -R u+w "$work/pack"
 (cd "$work/pack" && tar cf ../xpack.tar wheels data)
-# 50 MiB parts, one folder each: one device call carries 64 MiB with the working tree (~6 MiB).
-(cd "$work" && sha256sum xpack.tar > xpack.sha && split -b 50M -d xpack.tar xpack.part.)
+# Parts of PART_MB MiB (default 48), one folder each: one device call carries 64 MiB with the working tree (~14 MiB).
+(cd "$work" && sha256sum xpack.tar > xpack.sha && split -b "${PART_MB:-48}M" -d xpack.tar xpack.part.)
 rm -rf .gpu/extra[0-9]*
 count=0
 for part in $(ls "$work"/xpack.part.* | sort); do
