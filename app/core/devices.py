@@ -18,3 +18,20 @@ def torch_device(device: str) -> str:
     if device != "auto":
         return device
     return "cuda" if has_cuda() else "cpu"
+
+
+def cpu_has_bf16() -> bool:
+    """Whether this CPU multiplies bfloat16 natively (Intel AMX, AVX512-BF16): Linux's CPU flags; elsewhere no."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            flags = next((line for line in cpuinfo if line.startswith("flags")), "").split()
+    except OSError:
+        return False
+    return "amx_bf16" in flags or "avx512_bf16" in flags
+
+
+def query_dtype(dtype: str, device: str) -> str:
+    """The question encoder's number format, with 'auto' settled: bfloat16 on a CPU that has it natively."""
+    if dtype != "auto":
+        return dtype
+    return "bfloat16" if torch_device(device) == "cpu" and cpu_has_bf16() else "float32"

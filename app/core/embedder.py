@@ -7,7 +7,7 @@ import threading
 from functools import cached_property
 from typing import Any
 
-from app.core.devices import torch_device
+from app.core.devices import query_dtype, torch_device
 from app.core.settings import PACKAGED_EMBEDDER, EmbeddingSettings
 
 
@@ -23,10 +23,11 @@ def resolve_model_path(model: str) -> str:
 class Embedder:
     """Normalised embeddings plus the tokenizer that measures chunks, so no chunk exceeds the window.
 
-    The encoder loads on first use (or ``load()``): a re-ingest with nothing new to embed never pays for it."""
+    The encoder loads on first use (or ``load()``): a re-ingest with nothing new to embed never pays for it.
+    ``questions``: the service's encoder, in ``query_dtype`` (documents are always encoded in float32)."""
 
-    def __init__(self, settings: EmbeddingSettings) -> None:
-        self.settings = settings
+    def __init__(self, settings: EmbeddingSettings, questions: bool = False) -> None:
+        self.settings, self.questions = settings, questions
         self.name = settings.model
         self._model = None
         self._lock = threading.Lock()
@@ -39,7 +40,7 @@ class Embedder:
     def model(self) -> Any:
         with self._lock:  # two threads asking first must not load it twice
             if self._model is None:
-                self._model = _load(self.settings)
+                self._model = _load(self.settings, self.questions)
             return self._model
 
     @cached_property
@@ -76,7 +77,7 @@ def limit_threads(threads: int) -> None:
     torch.set_num_threads(threads)
 
 
-def _load(settings: EmbeddingSettings) -> Any:
+def _load(settings: EmbeddingSettings, questions: bool) -> Any:
     # Weights never come from a hub at run time: everything is local.
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -85,5 +86,7 @@ def _load(settings: EmbeddingSettings) -> Any:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]  # "Loading weights" bars would clutter CLI output and logs
-    return SentenceTransformer(resolve_model_path(settings.model), device=torch_device(settings.device))
+    device = torch_device(settings.device)
+    dtype = query_dtype(settings.query_dtype, settings.device) if questions else "float32"
+    return SentenceTransformer(resolve_model_path(settings.model), device=device, model_kwargs={"dtype": dtype})
 

@@ -194,7 +194,7 @@ class _Worker:
         from app.rag.index import CollectionIndex
 
         limit_threads(config.embedding.query_threads)
-        self.embedder = Embedder(config.embedding).load()
+        self.embedder = Embedder(config.embedding, questions=True).load()
         # The index runs nothing on this pool (ranking is synchronous here); its own thread loads BM25.
         self.index = CollectionIndex(self.embedder, config.chroma, ThreadPoolExecutor(1), config.retrieval,
                                      config.paging)

@@ -120,7 +120,7 @@ async def build_services(settings: Settings, *, embedder: Embedder | None = None
     workers = settings.retrieval.worker_processes(torch_device(settings.embedding.device) != "cpu")
     encoder = embedder
     if encoder is None:  # loaded here only where questions are ranked here (else on first use, if ever)
-        own = Encoder(settings.embedding)
+        own = Encoder(settings.embedding, questions=True)
         encoder = own if workers else await asyncio.get_running_loop().run_in_executor(executor, own.load)
     llm = llm or LLMClient(settings.vllm)
     index = CollectionIndex(encoder, settings.chroma, executor, settings.retrieval, settings.pages,

@@ -131,3 +131,23 @@ def test_the_encoder_goes_to_the_gpu_where_torch_sees_one_unless_told(monkeypatc
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert torch_device("auto") == "cuda"
     assert torch_device("cpu") == "cpu" and torch_device("cuda:1") == "cuda:1"
+
+
+def test_the_question_encoder_works_in_bfloat16_where_the_cpu_has_it_and_ranks_as_float32_does(monkeypatch,
+                                                                                                 embedder):
+    """Documents are encoded in float32 (ingest, the shared ``embedder``); a question encoder in bfloat16 gives
+    vectors that point the same way, so the same chunks come first."""
+    import app.core.devices as devices
+    from app.core.embedder import Embedder
+    from app.core.settings_corpus import EmbeddingSettings
+
+    monkeypatch.setattr(devices, "cpu_has_bf16", lambda: True)
+    assert devices.query_dtype("auto", "cpu") == "bfloat16" and devices.query_dtype("float32", "cpu") == "float32"
+    monkeypatch.setattr(devices, "cpu_has_bf16", lambda: False)
+    assert devices.query_dtype("auto", "cpu") == "float32"
+    questions = ["How does the chunker split a page?", "Which port does the service listen on?"]
+    fast = Embedder(EmbeddingSettings(query_dtype="bfloat16"), questions=True)
+    assert str(fast.model[0].auto_model.dtype) == "torch.bfloat16"
+    assert str(Embedder(EmbeddingSettings(query_dtype="bfloat16")).model[0].auto_model.dtype) == "torch.float32"
+    for full, half in zip(embedder.embed(questions), fast.embed(questions), strict=True):
+        assert sum(a * b for a, b in zip(full, half, strict=True)) > 0.99
