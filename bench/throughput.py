@@ -111,6 +111,7 @@ def run(args: argparse.Namespace, dataset, vllm_url: str, tmp: Path) -> dict:
                                   "PREFIXRAG_CONTEXT__HOTNESS_DIR": str(tmp / "hotness"),
                                   "PREFIXRAG_VLLM__CAPTURE_PATH": str(capture)}
     app_env |= dict(pair.split("=", 1) for pair in args.app_env)
+    cache_reset = asyncio.run(empty_cache(vllm_url))
     app = app_child(args.app_log or tmp / "app.log", app_env, port).start()
     try:
         url = f"http://127.0.0.1:{port}"
@@ -121,7 +122,21 @@ def run(args: argparse.Namespace, dataset, vllm_url: str, tmp: Path) -> dict:
         app.stop()
     given = {name: value for name, value in app_env.items() if name not in ("PREFIXRAG_VLLM__CAPTURE_PATH",)}
     return {"dataset": dataset.name, "config": {k: str(v) for k, v in vars(args).items()}, "app_env": given,
-            "warmup": warmup, "results": cells}
+            "cache_reset": cache_reset, "warmup": warmup, "results": cells}
+
+
+async def empty_cache(vllm_url: str) -> bool:
+    """Empty vLLM's prefix cache before the app starts: an earlier run's naive arm sent the same prompts (the same
+    seed's questions), which would otherwise hit here. False where vLLM does not allow it (no dev mode)."""
+    fleet = await Fleet.discover(vllm_url)
+    try:
+        await fleet.reset()
+        return True
+    except httpx.HTTPError as exc:
+        print(f"vLLM's prefix cache was not emptied ({exc}): an earlier run's prompts may hit", flush=True)
+        return False
+    finally:
+        await fleet.aclose()
 
 
 async def warmed(url: str, timeout_s: float = 1800) -> dict:

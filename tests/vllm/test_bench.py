@@ -68,6 +68,7 @@ def test_throughput_runs_the_app_naive_and_the_replay_of_the_apps_requests(tmp_p
                  "--vllm-url", vllm_url, "--concurrency", "2", "--max-tokens", "4", "--streamed", "yes,no",
                  "--requests", "3", "--duration-s", "60", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
+    assert result["cache_reset"] is True  # an earlier run's naive prompts (same seed) cannot hit in this one
     rows = {(r["arm"], r["streamed"]): r for r in result["results"]}
     assert set(rows) == {(arm, streamed) for arm in ("prefixrag", "replay", "naive") for streamed in (True, False)}
     for row in rows.values():
