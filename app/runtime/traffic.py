@@ -69,6 +69,7 @@ class LiveTraffic:
         self._cut_at: float | None = None  # stopping: when requests still running are ended (monotonic s)
         self.returns = Returns()  # refused connections, and when each was told to come back
         self._changed = asyncio.Event()  # set (and replaced) at each reading of vLLM's queue and each freed place
+        self.reading_wanted = asyncio.Event()  # a request waits beyond the limit: read vLLM's queue now, not later
 
     def drain(self, seconds: float) -> None:
         """The process is stopping: requests still running after ``seconds`` are to end (``cut_off``). Safe to
@@ -163,6 +164,7 @@ class LiveTraffic:
         while self._beyond_places() and not self._grow():
             if self._full() or deadline - time.monotonic() <= 0:
                 return False  # vLLM queues (or did just now), the limit cannot grow, or the wait is over
+            self.reading_wanted.set()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._changed.wait(), deadline - time.monotonic())
         return True

@@ -201,3 +201,31 @@ async def test_a_client_that_comes_back_when_told_waits_for_the_next_place_and_o
     release.set()  # the place freed goes to the client that waited, not to whoever asks first
     assert await returned == "admitted"
     await holder
+
+
+async def test_a_request_waiting_beyond_the_limit_has_vllms_queue_read_at_once_not_at_the_intervals_end():
+    """A burst grows the limit a step per reading: each step must not wait out the load interval (a burst of 32
+    on the H200 waited up to 0.5 s per doubling: 14-18 ms of admission wait per request on average)."""
+    from app.runtime.capacity import EngineQueue
+    from app.runtime.upstream import Upstream
+    from tests.support.fakes import FakeVLLM
+
+    class CountedReads(FakeVLLM):
+        reads = 0
+
+        async def metrics_text(self, replica: str | None = None) -> str:
+            self.reads += 1
+            return await super().metrics_text(replica)
+
+    llm = CountedReads()
+    traffic = LiveTraffic(2, 0, AutoLimit(low=2, high=100, fresh_s=60, wait_s=30))
+    reader = asyncio.create_task(EngineQueue(traffic, Upstream(llm, llm.settings), interval_s=5).run_forever())
+    try:
+        async with contextlib.AsyncExitStack() as stack:
+            await hold(traffic, 2, stack)  # users present: the first reading comes at once
+            await asyncio.sleep(0.05)
+            assert llm.reads == 1
+            await asyncio.wait_for(hold(traffic, 6, stack), 2)  # 2 by that reading, 4 by one asked for at once
+            assert traffic.max_in_flight == traffic.running == 8 and traffic.refused == 0 and llm.reads == 2
+    finally:
+        reader.cancel()
