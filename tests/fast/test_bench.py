@@ -30,3 +30,25 @@ def test_every_committed_result_has_a_report_with_its_command():
     live = report(ROOT / "bench" / "results" / "live-traffic.json")
     assert "`python -m bench.live_traffic --data ../shared/data/python-3.11-docs-html/files`" in live
     assert "| load.statuses.429 | 2214 |" in live and "| during_warmup | 20 rows |" in live
+
+
+def test_query_encoder_times_each_number_format_and_compares_what_it_retrieves(tmp_path):
+    """bench.query_encoder over a collection ingested with the real encoder: float32 against itself finds the
+    same five chunks; bfloat16 is timed and ranked too, with a recall the gold can be checked against."""
+    import argparse
+    import json
+
+    from bench.datasets import load_dataset
+    from bench.query_encoder import main
+    from bench.throughput import ingest
+    from tests.support.corpora import tiny_squad
+
+    data = tiny_squad(tmp_path / "tiny")
+    ingest(argparse.Namespace(chroma=tmp_path / "chroma"), load_dataset(data))
+    out = tmp_path / "encoder.json"
+    assert main(["--data", str(data), "--chroma", str(tmp_path / "chroma"), "--questions", "8", "--batches", "2",
+                 "--out", str(out)]) == 0
+    first, bf16 = json.loads(out.read_text())["results"]
+    assert (first["dtype"], bf16["dtype"]) == ("float32", "bfloat16")
+    assert first["top5_chunks_in_common_with_first"] == 5.0 and 4.0 <= bf16["top5_chunks_in_common_with_first"]
+    assert first["recall_at_5"] > 0.5 and all(ms > 0 for ms in bf16["encode_ms_median"].values())

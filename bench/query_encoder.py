@@ -1,0 +1,69 @@
+"""``python -m bench.query_encoder --data DIR --chroma PATH``: what the service's question encoder costs in each
+number format on this machine's CPU (one thread, as a ranking worker runs it), and whether the format changes
+what is retrieved. Per ``--dtypes`` value: the median time to encode a batch of 1, 2 and 4 of the dataset's
+questions; then each format's dense top-5 from the ingested collection (``python -m bench.throughput`` or
+``bench.prefix_cache`` ingests it) against float32's: the chunks in common, and recall@5 (a gold document among
+them). Documents are always encoded in float32 (ingest)."""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+from bench.common import command_line, environment, write_json
+from bench.datasets import load_dataset, sample
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m bench.query_encoder", description=__doc__)
+    parser.add_argument("--data", type=Path, required=True, help="a QA dataset folder (bench.datasets layout)")
+    parser.add_argument("--chroma", type=Path, required=True, help="the on-disk Chroma holding its collection")
+    parser.add_argument("--dtypes", default="float32,bfloat16", help="PREFIXRAG_EMBEDDING__QUERY_DTYPE values")
+    parser.add_argument("--questions", type=int, default=1000, help="questions for the rankings (default 1000)")
+    parser.add_argument("--batches", type=int, default=60, help="timed batches per batch size (default 60)")
+    parser.add_argument("--out", type=Path, default=Path("bench/results/query-encoder.json"))
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import chromadb
+
+    from app.core.embedder import Embedder, limit_threads
+    from app.core.settings_corpus import EmbeddingSettings
+
+    args = parse_args(argv)
+    dataset = load_dataset(args.data)
+    questions = sample(dataset.questions, args.questions, seed=0)
+    texts = [question.text for question in questions]
+    collection = chromadb.PersistentClient(str(args.chroma)).get_collection(dataset.collection)
+    limit_threads(1)
+    rows, reference = [], None
+    for dtype in args.dtypes.split(","):
+        encoder = Embedder(EmbeddingSettings(query_dtype=dtype), questions=True).load()
+        row: dict = {"dtype": dtype, "encode_ms_median": {}}
+        for size in (1, 2, 4):
+            encoder.embed(texts[:size])  # first call: allocations, kernels chosen
+            times = []
+            for n in range(args.batches):
+                started = time.perf_counter()
+                encoder.embed(texts[n * size:(n + 1) * size])
+                times.append(time.perf_counter() - started)
+            row["encode_ms_median"][str(size)] = round(statistics.median(times) * 1000, 2)
+        found = collection.query(query_embeddings=encoder.embed(texts), n_results=5, include=["metadatas"])
+        documents = [{meta["doc_id"] for meta in metas} for metas in found["metadatas"]]
+        reference = reference or found["ids"]
+        row["recall_at_5"] = round(sum(bool(q.gold & ids) for q, ids in zip(questions, documents, strict=True))
+                                   / len(questions), 4)
+        row["top5_chunks_in_common_with_first"] = round(
+            sum(len(set(a) & set(b)) for a, b in zip(found["ids"], reference, strict=True)) / len(questions), 3)
+        rows.append(row)
+        print(row, flush=True)
+    write_json(args.out, {"dataset": dataset.name, "questions": len(questions), "results": rows,
+                          "command": command_line("bench.query_encoder", argv), "environment": environment()})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
