@@ -41,9 +41,9 @@ class EmbeddingSettings(BaseModel):
         1, ge=1, description="CPU threads the service's encoder uses per question (ingest uses them all): one short "
         "text gains nothing from more, and beside a CPU vLLM each extra thread stalls at every barrier")
     query_dtype: Literal["auto", "float32", "bfloat16"] = Field(
-        "auto", description="Number format of the service's question encoder on the CPU: 'bfloat16' does its matrix "
-        "work in a fraction of the time where the CPU has bf16 instructions (AMX, AVX512-BF16), for the same "
-        "rankings; 'auto': bfloat16 on such a CPU, else float32. Ingest always encodes documents in float32.")
+        "auto", description="Number format of the service's question encoder: 'bfloat16' does its matrix work in a "
+        "fraction of the time on a CPU with bf16 instructions (AMX, AVX512-BF16), for the same rankings; 'auto': "
+        "bfloat16 where the encoder runs on such a CPU, else float32. Ingest always encodes documents in float32.")
 
 
 class RetrievalSettings(BaseModel):

@@ -204,8 +204,7 @@ async def test_a_client_that_comes_back_when_told_waits_for_the_next_place_and_o
 
 
 async def test_a_request_waiting_beyond_the_limit_has_vllms_queue_read_at_once_not_at_the_intervals_end():
-    """A burst grows the limit a step per reading: each step must not wait out the load interval (a burst of 32
-    on the H200 waited up to 0.5 s per doubling: 14-18 ms of admission wait per request on average)."""
+    """A burst grows the limit a step per reading: each step must not wait out the load interval."""
     from app.runtime.capacity import EngineQueue
     from app.runtime.upstream import Upstream
     from tests.support.fakes import FakeVLLM
