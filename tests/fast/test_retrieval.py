@@ -151,3 +151,7 @@ def test_the_question_encoder_works_in_bfloat16_where_the_cpu_has_it_and_ranks_a
     assert str(Embedder(EmbeddingSettings(query_dtype="bfloat16")).model[0].auto_model.dtype) == "torch.float32"
     for full, half in zip(embedder.embed(questions), fast.embed(questions), strict=True):
         assert sum(a * b for a, b in zip(full, half, strict=True)) > 0.99
+    # Questions skip ``encode``'s per-call work, not its result: in float32, the very vectors documents get.
+    exact = Embedder(EmbeddingSettings(query_dtype="float32"), questions=True).embed(questions)
+    for mine, theirs in zip(exact, embedder.embed(questions), strict=True):
+        assert max(abs(a - b) for a, b in zip(mine, theirs, strict=True)) < 1e-6
