@@ -52,3 +52,4 @@ def test_query_encoder_times_each_number_format_and_compares_what_it_retrieves(t
     assert (first["dtype"], bf16["dtype"]) == ("float32", "bfloat16")
     assert first["top5_chunks_in_common_with_first"] == 5.0 and 4.0 <= bf16["top5_chunks_in_common_with_first"]
     assert first["recall_at_5"] > 0.5 and all(ms > 0 for ms in bf16["encode_ms_median"].values())
+    assert set(bf16["library_encode_ms_median"]) == set(bf16["encode_ms_median"]) == {"1", "2", "4"}
