@@ -12,6 +12,7 @@ import argparse
 import statistics
 import time
 from pathlib import Path
+from typing import Any
 
 from bench.common import command_line, environment, write_json
 from bench.datasets import load_dataset, sample
@@ -57,7 +58,8 @@ def main(argv: list[str] | None = None) -> int:
                     times[name].append(time.perf_counter() - started)
             for name, taken in times.items():
                 row[name][str(size)] = round(statistics.median(taken) * 1000, 2)
-        found = collection.query(query_embeddings=encoder.embed(texts), n_results=5, include=["metadatas"])
+        vectors: Any = encoder.embed(texts)  # Chroma's stubs want sequences; lists of floats are what it takes
+        found: Any = collection.query(query_embeddings=vectors, n_results=5, include=["metadatas"])
         documents = [{meta["doc_id"] for meta in metas} for metas in found["metadatas"]]
         reference = reference or found["ids"]
         row["recall_at_5"] = round(sum(bool(q.gold & ids) for q, ids in zip(questions, documents, strict=True))
