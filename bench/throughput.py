@@ -61,6 +61,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--requests", type=int, default=4, help="questions per cell: this many per client, "
                         "at least 32 (default 4)")
     parser.add_argument("--duration-s", type=float, default=30.0, help="an arm stops sending after this long")
+    parser.add_argument("--warmup-s", type=float, default=0.0, help="before the cells, the app is asked questions "
+                        "from the far end of the shuffled list at the first concurrency for this long, unmeasured "
+                        "(a fresh app's and vLLM's first seconds under load are slower than the rest)")
     parser.add_argument("--top-k", type=int, default=5, help="k of naive's retrieval")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--app-env", action="append", default=[], metavar="PREFIXRAG_X=V",
@@ -166,6 +169,11 @@ async def measure(args: argparse.Namespace, dataset, app_url: str, vllm_url: str
     grid = product(map(int, args.max_tokens.split(",")), [s == "yes" for s in args.streamed.split(",")],
                    map(int, args.concurrency.split(",")))
     try:
+        if args.warmup_s > 0:  # the shuffled list's far end: cells take theirs from the front
+            first = int(args.concurrency.split(",")[0])
+            spec = ArmSpec("prefixrag", app_url, vllm_url, model, args.chroma, dataset.collection, args.top_k,
+                           int(args.max_tokens.split(",")[0]), True)
+            await spread_loop(spec, first, questions[-max(64, 16 * first):], args.warmup_s)
         for max_tokens, streamed, concurrency in grid:
             count = max(32, args.requests * concurrency)
             chosen = [questions[(used + i) % len(questions)] for i in range(count)]

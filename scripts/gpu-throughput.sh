@@ -20,4 +20,5 @@ if [[ -n "${PROFILE:-}" ]]; then  # py-spy (carried as a wheel in .whl/) samples
   set -- --profile "$DEST/profile-$dataset-$TAG" "$@"
 fi
 python3 -m bench.throughput --data "$DATA/$dataset" --chroma "/var/tmp/bench-throughput" --vllm-url "$URL/v1" \
-  --out "$DEST/throughput-$dataset-$TAG.json" --app-log "/var/tmp/throughput-$dataset-$TAG-app.log" "$@"
+  --out "$DEST/throughput-$dataset-$TAG.json" --app-log "/var/tmp/throughput-$dataset-$TAG-app.log" \
+  --warmup-s 15 "$@"

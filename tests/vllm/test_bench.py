@@ -66,7 +66,7 @@ def test_throughput_runs_the_app_naive_and_the_replay_of_the_apps_requests(tmp_p
     out = tmp_path / "throughput.json"
     assert main(["--data", str(tiny_squad(tmp_path / "tiny")), "--chroma", str(tmp_path / "chroma"),
                  "--vllm-url", vllm_url, "--concurrency", "2", "--max-tokens", "4", "--streamed", "yes,no",
-                 "--requests", "3", "--duration-s", "60", "--out", str(out)]) == 0
+                 "--requests", "3", "--duration-s", "60", "--warmup-s", "2", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
     assert result["cache_reset"] is True  # an earlier run's naive prompts (same seed) cannot hit in this one
     rows = {(r["arm"], r["streamed"]): r for r in result["results"]}
