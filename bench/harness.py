@@ -56,7 +56,9 @@ class Harness:
         started = time.perf_counter()
         report = run_ingest([dataset.passages], self.settings, self.embedder)
         print(f"ingest: {report.chunks_written} chunks written in {time.perf_counter() - started:.1f}s", flush=True)
-        self.services = await build_services(self.settings, embedder=self.embedder)  # the app's own graph
+        # The app's own graph, with the service's question encoder (its number format, not ingest's float32):
+        questions = Embedder(self.settings.embedding, questions=True).load()
+        self.services = await build_services(self.settings, embedder=questions)
         self.retriever, self.llm, self.upstream = self.services.retriever, self.services.llm, self.services.upstream
         await self.services.index.indexes_ready()  # BM25 and pages ready before any timed question
         await self.upstream.refresh()
