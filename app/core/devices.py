@@ -31,7 +31,8 @@ def cpu_has_bf16() -> bool:
 
 
 def query_dtype(dtype: str, device: str) -> str:
-    """The question encoder's number format, with 'auto' settled: bfloat16 on a CPU that has it natively."""
+    """The question encoder's number format on ``device`` (settled: ``torch_device``), with 'auto' settled:
+    bfloat16 on a CPU that has it natively."""
     if dtype != "auto":
         return dtype
-    return "bfloat16" if torch_device(device) == "cpu" and cpu_has_bf16() else "float32"
+    return "bfloat16" if device == "cpu" and cpu_has_bf16() else "float32"

@@ -102,7 +102,7 @@ def _load(settings: EmbeddingSettings, questions: bool) -> Any:
 
     hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]  # "Loading weights" bars would clutter CLI output and logs
     device = torch_device(settings.device)
-    dtype = query_dtype(settings.query_dtype, settings.device) if questions else "float32"
+    dtype = query_dtype(settings.query_dtype, device) if questions else "float32"
     model = SentenceTransformer(resolve_model_path(settings.model), device=device, model_kwargs={"dtype": dtype})
     return model.eval()  # loaded in training mode (dropout on); ``encode`` sets eval mode at every call, not ours
 
