@@ -16,6 +16,7 @@ from pathlib import Path
 
 import httpx
 import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
 
 from app.vllm.process import free_port, wait_for_http
 
@@ -159,3 +160,11 @@ def proxy_in_front_of(vllm_url: str) -> tuple[TcpProxy, str]:
     proxy = TcpProxy(int(vllm_url.rsplit(":", 1)[1].split("/")[0]))
     proxy.up()
     return proxy, f"http://127.0.0.1:{proxy.port}/v1"
+
+
+def http_requests(metrics_text: str) -> dict[tuple[str, str, str], float]:
+    """(handler, method, status) -> requests answered, from the service's /metrics."""
+    families = text_string_to_metric_families(metrics_text)
+    family = next(f for f in families if f.name == "http_requests")
+    return {(s.labels["handler"], s.labels["method"], s.labels["status"]): s.value
+            for s in family.samples if s.name == "http_requests_total"}

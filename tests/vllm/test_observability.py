@@ -12,24 +12,15 @@ import sys
 import httpx
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from app.serve.app import create_app
 from app.vllm.process import free_port, wait_for_http
 from tests.support.corpora import app_settings
 from tests.support.env import ROOT
-from tests.support.servers import AppServer
+from tests.support.servers import AppServer, http_requests
 
 pytestmark = pytest.mark.vllm
 KEY = {"Authorization": "Bearer k"}
-
-
-def http_requests(metrics_text: str) -> dict[tuple[str, str, str], float]:
-    """(handler, method, status) -> count, from the service's /metrics."""
-    families = text_string_to_metric_families(metrics_text)
-    family = next(f for f in families if f.name == "http_requests")
-    return {(s.labels["handler"], s.labels["method"], s.labels["status"]): s.value
-            for s in family.samples if s.name == "http_requests_total"}
 
 
 def test_every_route_is_counted_by_method_and_status_streams_included_and_has_a_request_id(collections, vllm_url,

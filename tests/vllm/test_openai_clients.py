@@ -11,6 +11,8 @@ import httpx
 import openai
 import pytest
 
+from tests.support.servers import http_requests
+
 pytestmark = pytest.mark.vllm
 QUESTION = "What does the ingest command do?"
 TOOL = {"type": "function", "function": {"name": "lookup", "parameters": {"type": "object", "properties": {}}}}
@@ -156,21 +158,14 @@ def test_llamaindexs_openai_like_completes_streams_and_chats(server):
 
     python = ROOT / ".venv-llamaindex" / "bin" / "python"
     assert python.exists(), "scripts/setup.sh makes .venv-llamaindex"
-    before = httpx.get(server.url + "/metrics", timeout=10).text
+    before = http_requests(httpx.get(server.url + "/metrics", timeout=10).text)
     result = subprocess.run([str(python), "-c", LLAMAINDEX, server.url + "/v1", QUESTION], capture_output=True,
                             text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     answers = json.loads(result.stdout)
     assert all(answers[kind].strip() for kind in ("complete", "stream", "chat")), answers
-    after = httpx.get(server.url + "/metrics", timeout=10).text
+    after = http_requests(httpx.get(server.url + "/metrics", timeout=10).text)
     for handler, count in (("/v1/completions", 2), ("/v1/chat/completions", 1)):
-        assert served(after, handler) - served(before, handler) == count, handler
+        key = (handler, "POST", "200")
+        assert after.get(key, 0) - before.get(key, 0) == count, handler
 
-
-def served(metrics: str, handler: str) -> float:
-    """Requests answered 200 on ``handler`` (prometheus-fastapi-instrumentator's counter)."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    return sum(sample.value for family in text_string_to_metric_families(metrics) for sample in family.samples
-               if sample.name == "http_requests_total" and sample.labels.get("handler") == handler
-               and sample.labels.get("status") == "200")
