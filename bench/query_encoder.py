@@ -1,10 +1,10 @@
-"""``python -m bench.query_encoder --data DIR --chroma PATH``: what the service's question encoder costs in each
-number format on this machine's CPU (one thread, as a ranking worker runs it), and whether the format changes
-what is retrieved. Per ``--dtypes`` value: the median time to encode a batch of 1, 2 and 4 of the dataset's
-questions, as the service does and, interleaved with it, through sentence-transformers' ``encode``; then each
-format's dense top-5 from the ingested collection (``python -m bench.throughput`` or
-``bench.prefix_cache`` ingests it) against float32's: the chunks in common, and recall@5 (a gold document among
-them). Documents are always encoded in float32 (ingest)."""
+"""``python -m bench.query_encoder --data DIR --chroma PATH``: what the service's question encoder costs on this
+machine's CPU in each runtime and number format (one thread, as a ranking worker runs it), and whether that
+changes what is retrieved. Per ``--encoders`` value (runtime/dtype): the median time to encode a batch of 1, 2 and
+4 of the dataset's questions, as the service does and, interleaved with it, through sentence-transformers'
+``encode``; then its dense top-5 from the ingested collection (``python -m bench.throughput`` or
+``bench.prefix_cache`` ingests it) against the first encoder's: the chunks in common, and recall@5 (a gold
+document among them). Documents are always encoded by torch in float32 (ingest)."""
 
 from __future__ import annotations
 
@@ -22,7 +22,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench.query_encoder", description=__doc__)
     parser.add_argument("--data", type=Path, required=True, help="a QA dataset folder (bench.datasets layout)")
     parser.add_argument("--chroma", type=Path, required=True, help="the on-disk Chroma holding its collection")
-    parser.add_argument("--dtypes", default="float32,bfloat16", help="PREFIXRAG_EMBEDDING__QUERY_DTYPE values")
+    parser.add_argument("--encoders", default="torch/float32,torch/bfloat16,onnx/float32",
+                        help="PREFIXRAG_EMBEDDING__QUERY_RUNTIME/QUERY_DTYPE pairs, comma-separated")
     parser.add_argument("--questions", type=int, default=1000, help="questions for the rankings (default 1000)")
     parser.add_argument("--batches", type=int, default=150, help="timed batches per batch size (default 150)")
     parser.add_argument("--out", type=Path, default=Path("bench/results/query-encoder.json"))
@@ -42,11 +43,12 @@ def main(argv: list[str] | None = None) -> int:
     collection = chromadb.PersistentClient(str(args.chroma)).get_collection(dataset.collection)
     limit_threads(1)
     rows, reference = [], None
-    for dtype in args.dtypes.split(","):
-        encoder = Embedder(EmbeddingSettings(query_dtype=dtype), questions=True).load()
+    for pair in args.encoders.split(","):
+        runtime, dtype = pair.split("/")
+        encoder = Embedder(EmbeddingSettings(query_runtime=runtime, query_dtype=dtype), questions=True).load()
         paths = {"encode_ms_median": encoder.embed,
                  "library_encode_ms_median": encoder.model.encode}
-        row: dict = {"dtype": dtype} | {name: {} for name in paths}
+        row: dict = {"runtime": runtime, "dtype": dtype} | {name: {} for name in paths}
         for size in (1, 2, 4):
             times: dict[str, list[float]] = {name: [] for name in paths}
             for embed in paths.values():

@@ -36,3 +36,11 @@ def query_dtype(dtype: str, device: str) -> str:
     if dtype != "auto":
         return dtype
     return "bfloat16" if device == "cpu" and cpu_has_bf16() else "float32"
+
+
+def query_runtime(runtime: str, dtype: str, device: str) -> str:
+    """What runs the question encoder on ``device`` (settled: ``torch_device``), with 'auto' settled: ONNX
+    Runtime on the CPU, unless the encoder is asked for in bfloat16 (torch's CPU kernels run that)."""
+    if runtime != "auto":
+        return runtime
+    return "onnx" if device == "cpu" and dtype != "bfloat16" else "torch"

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from functools import cached_property
 from typing import Any
 
-from app.core.devices import query_dtype, torch_device
+from app.core.devices import query_dtype, query_runtime, torch_device
 from app.core.settings import PACKAGED_EMBEDDER, EmbeddingSettings
+
+log = logging.getLogger("prefixrag.embedder")
 
 
 def resolve_model_path(model: str) -> str:
@@ -24,12 +27,14 @@ class Embedder:
     """Normalised embeddings plus the tokenizer that measures chunks, so no chunk exceeds the window.
 
     The encoder loads on first use (or ``load()``): a re-ingest with nothing new to embed never pays for it.
-    ``questions``: the service's encoder, in ``query_dtype`` (documents are always encoded in float32)."""
+    ``questions``: the service's encoder, run by ``query_runtime`` in ``query_dtype`` (documents are always
+    encoded by torch in float32)."""
 
     def __init__(self, settings: EmbeddingSettings, questions: bool = False) -> None:
         self.settings, self.questions = settings, questions
         self.name = settings.model
         self._model = None
+        self._onnx: Any = None
         self._lock = threading.Lock()
 
     def load(self) -> Embedder:
@@ -40,7 +45,7 @@ class Embedder:
     def model(self) -> Any:
         with self._lock:  # two threads asking first must not load it twice
             if self._model is None:
-                self._model = _load(self.settings, self.questions)
+                self._model, self._onnx = _load(self.settings, self.questions)
             return self._model
 
     @cached_property
@@ -78,6 +83,8 @@ class Embedder:
         import torch
 
         model = self.model
+        if self._onnx is not None:
+            return list(self._onnx.embed(texts))
         features = {name: value.to(model.device) if isinstance(value, torch.Tensor) else value
                     for name, value in model.preprocess(texts).items()}
         with torch.inference_mode():
@@ -102,7 +109,26 @@ def _load(settings: EmbeddingSettings, questions: bool) -> Any:
 
     hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]  # "Loading weights" bars would clutter CLI output and logs
     device = torch_device(settings.device)
-    dtype = query_dtype(settings.query_dtype, device) if questions else "float32"
+    runtime = query_runtime(settings.query_runtime, settings.query_dtype, device) if questions else "torch"
+    if runtime == "onnx":
+        device = "cpu"
+    dtype = query_dtype(settings.query_dtype, device) if runtime == "torch" and questions else "float32"
     model = SentenceTransformer(resolve_model_path(settings.model), device=device, model_kwargs={"dtype": dtype})
-    return model.eval()  # loaded in training mode (dropout on); ``encode`` sets eval mode at every call, not ours
+    model.eval()  # loaded in training mode (dropout on); ``encode`` sets eval mode at every call, not ours
+    return model, (_onnx_encoder(model, settings) if runtime == "onnx" else None)
+
+
+def _onnx_encoder(model: Any, settings: EmbeddingSettings) -> Any:
+    """The model exported to ONNX Runtime; where 'auto' chose it and the export fails (a model the exporter
+    cannot trace), torch runs it instead, said once in the log."""
+    from app.core.onnx_encoder import OnnxEncoder
+
+    try:
+        return OnnxEncoder(model, settings.query_threads)
+    except Exception as exc:
+        if settings.query_runtime == "onnx":
+            raise
+        log.warning("the question encoder could not be exported to ONNX (%s: %s); torch runs it",
+                    type(exc).__name__, exc)
+        return None
 

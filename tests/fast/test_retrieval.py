@@ -152,6 +152,33 @@ def test_the_question_encoder_works_in_bfloat16_where_the_cpu_has_it_and_ranks_a
     for full, half in zip(embedder.embed(questions), fast.embed(questions), strict=True):
         assert sum(a * b for a, b in zip(full, half, strict=True)) > 0.99
     # Questions skip ``encode``'s per-call work, not its result: in float32, the very vectors documents get.
-    exact = Embedder(EmbeddingSettings(query_dtype="float32"), questions=True).embed(questions)
-    for mine, theirs in zip(exact, embedder.embed(questions), strict=True):
-        assert max(abs(a - b) for a, b in zip(mine, theirs, strict=True)) < 1e-6
+    exact = Embedder(EmbeddingSettings(query_dtype="float32", query_runtime="torch"), questions=True)
+    assert exact.embed(questions) == _close_to(embedder.embed(questions), 1e-6)
+
+
+def test_the_question_encoder_runs_on_onnx_runtime_on_the_cpu_with_the_vectors_documents_get(embedder):
+    """The export traces a padded batch: questions of different lengths together (padding masked out) and
+    alone give float32's vectors; the torch model it was traced from stays in eval mode (no dropout)."""
+    import pytest
+    from pydantic import ValidationError
+
+    from app.core.devices import query_runtime
+    from app.core.embedder import Embedder
+    from app.core.settings_corpus import EmbeddingSettings
+
+    assert query_runtime("auto", "auto", "cpu") == "onnx" and query_runtime("auto", "bfloat16", "cpu") == "torch"
+    assert query_runtime("auto", "auto", "cuda") == "torch" and query_runtime("torch", "auto", "cpu") == "torch"
+    onnx = Embedder(EmbeddingSettings(), questions=True).load()
+    assert onnx._onnx is not None and not onnx.model.training
+    questions = ["x", "Which port does the service listen on, and how is it changed in the settings file?", "ok"]
+    assert onnx.embed(questions) == _close_to(embedder.embed(questions), 1e-5)
+    assert onnx.embed(questions[1:2]) == _close_to(embedder.embed(questions[1:2]), 1e-5)
+    for wrong in ({"query_dtype": "bfloat16"}, {"device": "cuda"}):
+        with pytest.raises(ValidationError, match="query_runtime 'onnx'"):
+            EmbeddingSettings(query_runtime="onnx", **wrong)
+
+
+def _close_to(vectors: list[list[float]], tolerance: float) -> object:
+    import pytest
+
+    return [pytest.approx(vector, abs=tolerance) for vector in vectors]
