@@ -117,6 +117,16 @@ def cpu_seconds(pid: int) -> float:
     return total
 
 
+def host_cpu_seconds() -> tuple[float, float]:
+    """The whole machine's busy and stolen CPU seconds so far (``/proc/stat``, all cores): busy over a cell's
+    wall time is how many cores everything on the host kept busy (vLLM's processes, the app, the clients);
+    stolen, how much the hypervisor gave to others."""
+    fields = [int(value) for value in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    user, nice, system, _idle, _iowait, irq, softirq, steal = fields
+    ticks = os.sysconf("SC_CLK_TCK")
+    return (user + nice + system + irq + softirq) / ticks, steal / ticks
+
+
 def loop_cpu_seconds(pid: int) -> float:
     """User + system CPU seconds of ``pid``'s main thread alone: the app's event loop, which every request and
     every relayed token of the serving process passes through (busy for the whole arm: it sets the pace)."""

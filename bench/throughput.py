@@ -22,6 +22,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -43,6 +44,7 @@ from bench.load_report import (
     app_figures,
     cpu_seconds,
     engine_figures,
+    host_cpu_seconds,
     loop_cpu_seconds,
     plot_throughput,
     sample_stats,
@@ -205,7 +207,9 @@ async def one_arm(spec: ArmSpec, fleet: Fleet, questions: list[str], capture: Pa
     mine = spec.arm == "prefixrag"
     app_before = await app_metrics(spec.app_url) if mine else ""
     before, cpu_before, loop_before = await fleet.metrics(), cpu_seconds(app_pid), loop_cpu_seconds(app_pid)
+    host_before = host_cpu_seconds()
     samples, wall_s, shares = await spread_loop(spec, concurrency, items, duration_s)
+    host_after = host_cpu_seconds()
     after, cpu_after, loop_after = await fleet.metrics(), cpu_seconds(app_pid), loop_cpu_seconds(app_pid)
     if mine:
         captured = len(capture.read_text().splitlines()) - captured_before if capture.exists() else 0
@@ -215,7 +219,11 @@ async def one_arm(spec: ArmSpec, fleet: Fleet, questions: list[str], capture: Pa
         "loop_cpu_s": round(loop_after - loop_before, 3) if mine else None,
         # The clients' processes: each one's loop busy for most of its time would mean the clients set the pace.
         "client_processes": len(shares), "client_cpu_s": round(sum(s.cpu_s for s in shares), 3),
-        "client_busiest": round(max(s.cpu_s / max(s.ended - s.started, 1e-9) for s in shares), 2)}
+        "client_busiest": round(max(s.cpu_s / max(s.ended - s.started, 1e-9) for s in shares), 2),
+        # Everything on the host together, in cores: near the core count, every process waits for a core.
+        "host_busy_cores": round((host_after[0] - host_before[0]) / max(wall_s, 1e-9), 2),
+        "host_stolen_cores": round((host_after[1] - host_before[1]) / max(wall_s, 1e-9), 2),
+        "host_cores": os.cpu_count()}
     if mine:  # where the app's own time went: admission, the ranking's stages, its loop's lag, GC
         row["app_histograms"] = app_figures(app_before, await app_metrics(spec.app_url))
     return row | sample_stats(samples, wall_s), captured

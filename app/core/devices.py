@@ -20,27 +20,10 @@ def torch_device(device: str) -> str:
     return "cuda" if has_cuda() else "cpu"
 
 
-def cpu_has_bf16() -> bool:
-    """Whether this CPU multiplies bfloat16 natively (Intel AMX, AVX512-BF16): Linux's CPU flags; elsewhere no."""
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            flags = next((line for line in cpuinfo if line.startswith("flags")), "").split()
-    except OSError:
-        return False
-    return "amx_bf16" in flags or "avx512_bf16" in flags
-
-
-def query_dtype(dtype: str, device: str) -> str:
-    """The question encoder's number format on ``device`` (settled: ``torch_device``), with 'auto' settled:
-    bfloat16 on a CPU that has it natively."""
-    if dtype != "auto":
-        return dtype
-    return "bfloat16" if device == "cpu" and cpu_has_bf16() else "float32"
-
-
 def query_runtime(runtime: str, dtype: str, device: str) -> str:
-    """What runs the question encoder on ``device`` (settled: ``torch_device``), with 'auto' settled: ONNX
-    Runtime on the CPU, unless the encoder is asked for in bfloat16 (torch's CPU kernels run that)."""
+    """What runs the question encoder on ``device`` (settled: ``torch_device``), with 'auto' settled as far as
+    settings can: torch on a GPU or in bfloat16; 'either' where both run it (float32 on the CPU), for the
+    encoder to time at load."""
     if runtime != "auto":
         return runtime
-    return "onnx" if device == "cpu" and dtype != "bfloat16" else "torch"
+    return "either" if device == "cpu" and dtype == "float32" else "torch"

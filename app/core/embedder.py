@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import logging
 import os
+import statistics
 import threading
+import time
 from functools import cached_property
 from typing import Any
 
-from app.core.devices import query_dtype, query_runtime, torch_device
+from app.core.devices import query_runtime, torch_device
 from app.core.settings import PACKAGED_EMBEDDER, EmbeddingSettings
 
 log = logging.getLogger("prefixrag.embedder")
+TIMED_ROUNDS = 9  # per runtime when 'auto' chooses at load; the first of each is not counted (warm-up)
 
 
 def resolve_model_path(model: str) -> str:
@@ -77,19 +80,21 @@ class Embedder:
         return list(vectors.tolist())
 
     def _embed_questions(self, texts: list[str]) -> list[list[float]]:
-        """A few short texts through the model's own preprocessing and forward pass, without ``encode``'s
-        per-call work (every module put in eval mode again, sorting, batching, device checks), which on a CPU
-        costs a sizeable share of one question's forward pass. The model is in eval mode from its load."""
-        import torch
-
         model = self.model
-        if self._onnx is not None:
-            return list(self._onnx.embed(texts))
-        features = {name: value.to(model.device) if isinstance(value, torch.Tensor) else value
-                    for name, value in model.preprocess(texts).items()}
-        with torch.inference_mode():
-            vectors = model(features)["sentence_embedding"]
-        return list(torch.nn.functional.normalize(vectors.float(), dim=1).tolist())
+        return list(self._onnx.embed(texts)) if self._onnx is not None else _torch_questions(model, texts)
+
+
+def _torch_questions(model: Any, texts: list[str]) -> list[list[float]]:
+    """A few short texts through the model's own preprocessing and forward pass, without ``encode``'s per-call
+    work (every module put in eval mode again, sorting, batching, device checks), which on a CPU costs a sizeable
+    share of one question's forward pass. The model is in eval mode from its load."""
+    import torch
+
+    features = {name: value.to(model.device) if isinstance(value, torch.Tensor) else value
+                for name, value in model.preprocess(texts).items()}
+    with torch.inference_mode():
+        vectors = model(features)["sentence_embedding"]
+    return list(torch.nn.functional.normalize(vectors.float(), dim=1).tolist())
 
 
 def limit_threads(threads: int) -> None:
@@ -110,16 +115,19 @@ def _load(settings: EmbeddingSettings, questions: bool) -> Any:
     hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]  # "Loading weights" bars would clutter CLI output and logs
     device = torch_device(settings.device)
     runtime = query_runtime(settings.query_runtime, settings.query_dtype, device) if questions else "torch"
-    if runtime == "onnx":
+    if runtime != "torch":
         device = "cpu"
-    dtype = query_dtype(settings.query_dtype, device) if runtime == "torch" and questions else "float32"
+    dtype = settings.query_dtype if questions else "float32"
     model = SentenceTransformer(resolve_model_path(settings.model), device=device, model_kwargs={"dtype": dtype})
     model.eval()  # loaded in training mode (dropout on); ``encode`` sets eval mode at every call, not ours
-    return model, (_onnx_encoder(model, settings) if runtime == "onnx" else None)
+    onnx = _onnx_encoder(model, settings) if runtime != "torch" else None
+    if runtime == "either" and onnx is not None and not _onnx_is_faster(model, onnx):
+        onnx = None
+    return model, onnx
 
 
 def _onnx_encoder(model: Any, settings: EmbeddingSettings) -> Any:
-    """The model exported to ONNX Runtime; where 'auto' chose it and the export fails (a model the exporter
+    """The model exported to ONNX Runtime; where 'auto' asked for it and the export fails (a model the exporter
     cannot trace), torch runs it instead, said once in the log."""
     from app.core.onnx_encoder import OnnxEncoder
 
@@ -132,3 +140,18 @@ def _onnx_encoder(model: Any, settings: EmbeddingSettings) -> Any:
                     type(exc).__name__, exc)
         return None
 
+
+def _onnx_is_faster(model: Any, onnx: Any) -> bool:
+    """Time one question through torch and through ONNX Runtime, alternately, and keep the faster: which one
+    wins depends on the CPU's matrix kernels (oneDNN's or ONNX Runtime's own), not on anything settings know."""
+    texts = ["How long does the service wait for an answer before it gives up on vLLM?"]
+    taken: dict[str, list[float]] = {"torch": [], "onnx": []}
+    for _ in range(TIMED_ROUNDS):
+        for name, embed in (("torch", lambda: _torch_questions(model, texts)), ("onnx", lambda: onnx.embed(texts))):
+            started = time.perf_counter()
+            embed()
+            taken[name].append(time.perf_counter() - started)
+    torch_ms, onnx_ms = (statistics.median(taken[name][1:]) * 1000 for name in ("torch", "onnx"))
+    log.info("question encoder: %s (a question in %.1f ms with ONNX Runtime, %.1f ms with torch)",
+             "onnx" if onnx_ms < torch_ms else "torch", onnx_ms, torch_ms)
+    return onnx_ms < torch_ms

@@ -40,21 +40,21 @@ class EmbeddingSettings(BaseModel):
     query_threads: int = Field(
         1, ge=1, description="CPU threads the service's encoder uses per question (ingest uses them all): one short "
         "text gains nothing from more, and beside a CPU vLLM each extra thread stalls at every barrier")
-    query_dtype: Literal["auto", "float32", "bfloat16"] = Field(
-        "auto", description="Number format of the service's question encoder: 'bfloat16' does its matrix work in a "
-        "fraction of the time on a CPU with bf16 instructions (AMX, AVX512-BF16), for the same rankings; 'auto': "
-        "bfloat16 where the encoder runs on such a CPU, else float32. Ingest always encodes documents in float32.")
+    query_dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="Number format of the service's question encoder (torch only). bfloat16 gives "
+        "nearly the same rankings and on some CPUs a shorter torch time, but no machine measured so far encodes "
+        "faster in it than in the faster float32 runtime (bench.query_encoder). Documents are always float32.")
     query_runtime: Literal["auto", "torch", "onnx"] = Field(
         "auto", description="What runs the service's question encoder: 'onnx' exports the model at load into one "
-        "ONNX Runtime graph (CPU only, float32; the same vectors in a fraction of torch's time per question); "
-        "'torch' runs it eagerly (GPU, or query_dtype bfloat16); 'auto': onnx on the CPU unless query_dtype is "
-        "bfloat16, else torch.")
+        "ONNX Runtime graph (CPU only, float32: the same vectors as torch); 'torch' runs it eagerly (any device, "
+        "any query_dtype); 'auto': on the CPU in float32, whichever of the two encodes faster on this CPU, "
+        "timed at load (neither wins everywhere); else torch.")
 
     @model_validator(mode="after")
     def _onnx_runs_float32(self) -> EmbeddingSettings:
         if self.query_runtime == "onnx" and self.query_dtype == "bfloat16":
-            raise ValueError("query_runtime 'onnx' runs the encoder in float32: set query_dtype to float32 or auto, "
-                             "or query_runtime to torch for bfloat16")
+            raise ValueError("query_runtime 'onnx' runs the encoder in float32: set query_dtype to float32, or "
+                             "query_runtime to torch for bfloat16")
         if self.query_runtime == "onnx" and self.device not in ("auto", "cpu"):
             raise ValueError(f"query_runtime 'onnx' runs the encoder on the CPU, not on {self.device!r}: "
                              "set device to cpu or auto, or query_runtime to torch")

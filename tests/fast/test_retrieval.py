@@ -133,32 +133,29 @@ def test_the_encoder_goes_to_the_gpu_where_torch_sees_one_unless_told(monkeypatc
     assert torch_device("cpu") == "cpu" and torch_device("cuda:1") == "cuda:1"
 
 
-def test_the_question_encoder_works_in_bfloat16_where_the_cpu_has_it_and_ranks_as_float32_does(monkeypatch,
-                                                                                                 embedder):
+def test_the_question_encoder_in_bfloat16_ranks_as_float32_does(embedder):
     """Documents are encoded in float32 (ingest, the shared ``embedder``); a question encoder in bfloat16 gives
     vectors that point the same way, so the same chunks come first."""
-    import app.core.devices as devices
     from app.core.embedder import Embedder
     from app.core.settings_corpus import EmbeddingSettings
 
-    monkeypatch.setattr(devices, "cpu_has_bf16", lambda: True)
-    assert devices.query_dtype("auto", "cpu") == "bfloat16" and devices.query_dtype("float32", "cpu") == "float32"
-    monkeypatch.setattr(devices, "cpu_has_bf16", lambda: False)
-    assert devices.query_dtype("auto", "cpu") == "float32"
     questions = ["How does the chunker split a page?", "Which port does the service listen on?"]
     fast = Embedder(EmbeddingSettings(query_dtype="bfloat16"), questions=True)
-    assert str(fast.model[0].auto_model.dtype) == "torch.bfloat16"
+    assert str(fast.model[0].auto_model.dtype) == "torch.bfloat16" and fast._onnx is None
     assert str(Embedder(EmbeddingSettings(query_dtype="bfloat16")).model[0].auto_model.dtype) == "torch.float32"
     for full, half in zip(embedder.embed(questions), fast.embed(questions), strict=True):
         assert sum(a * b for a, b in zip(full, half, strict=True)) > 0.99
     # Questions skip ``encode``'s per-call work, not its result: in float32, the very vectors documents get.
-    exact = Embedder(EmbeddingSettings(query_dtype="float32", query_runtime="torch"), questions=True)
+    exact = Embedder(EmbeddingSettings(query_runtime="torch"), questions=True)
     assert exact.embed(questions) == _close_to(embedder.embed(questions), 1e-6)
 
 
-def test_the_question_encoder_runs_on_onnx_runtime_on_the_cpu_with_the_vectors_documents_get(embedder):
+def test_the_question_encoder_runs_on_onnx_runtime_on_the_cpu_with_the_vectors_documents_get(caplog, embedder):
     """The export traces a padded batch: questions of different lengths together (padding masked out) and
-    alone give float32's vectors; the torch model it was traced from stays in eval mode (no dropout)."""
+    alone give float32's vectors; the torch model it was traced from stays in eval mode (no dropout). 'auto'
+    times both runtimes at load and says which it kept."""
+    import logging
+
     import pytest
     from pydantic import ValidationError
 
@@ -166,9 +163,9 @@ def test_the_question_encoder_runs_on_onnx_runtime_on_the_cpu_with_the_vectors_d
     from app.core.embedder import Embedder
     from app.core.settings_corpus import EmbeddingSettings
 
-    assert query_runtime("auto", "auto", "cpu") == "onnx" and query_runtime("auto", "bfloat16", "cpu") == "torch"
-    assert query_runtime("auto", "auto", "cuda") == "torch" and query_runtime("torch", "auto", "cpu") == "torch"
-    onnx = Embedder(EmbeddingSettings(), questions=True).load()
+    assert query_runtime("auto", "float32", "cpu") == "either" and query_runtime("auto", "bfloat16", "cpu") == "torch"
+    assert query_runtime("auto", "float32", "cuda") == "torch" and query_runtime("onnx", "float32", "cpu") == "onnx"
+    onnx = Embedder(EmbeddingSettings(query_runtime="onnx"), questions=True).load()
     assert onnx._onnx is not None and not onnx.model.training
     questions = ["x", "Which port does the service listen on, and how is it changed in the settings file?", "ok"]
     assert onnx.embed(questions) == _close_to(embedder.embed(questions), 1e-5)
@@ -176,6 +173,10 @@ def test_the_question_encoder_runs_on_onnx_runtime_on_the_cpu_with_the_vectors_d
     for wrong in ({"query_dtype": "bfloat16"}, {"device": "cuda"}):
         with pytest.raises(ValidationError, match="query_runtime 'onnx'"):
             EmbeddingSettings(query_runtime="onnx", **wrong)
+    with caplog.at_level(logging.INFO, logger="prefixrag.embedder"):
+        chosen = Embedder(EmbeddingSettings(), questions=True).load()
+    kept = "onnx" if chosen._onnx is not None else "torch"
+    assert [record.getMessage().split(" (")[0] for record in caplog.records] == [f"question encoder: {kept}"]
 
 
 def _close_to(vectors: list[list[float]], tolerance: float) -> object:
