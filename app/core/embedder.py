@@ -104,7 +104,8 @@ def limit_threads(threads: int) -> None:
     torch.set_num_threads(threads)
 
 
-def _load(settings: EmbeddingSettings, questions: bool) -> Any:
+def _load(settings: EmbeddingSettings, questions: bool) -> tuple[Any, Any]:
+    """The sentence-transformers model, and for questions the ONNX Runtime encoder where it runs them (else None)."""
     # Weights never come from a hub at run time: everything is local.
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

@@ -1,9 +1,11 @@
 """The question encoder through ONNX Runtime: the sentence-transformers model (transformer, pooling, normalising)
 exported once at load into one fused graph, run on the CPU. A question's encoding is a few hundred million
 multiply-adds through dozens of small operators; ONNX Runtime fuses attention, GELU and layer norms and runs the
-rest with its own matrix kernels, which on a CPU takes a large share off torch's eager time for the same vectors
-(``bench.query_encoder``). The export is held in memory: nothing is written to disk, and the graph always matches
-the weights just loaded."""
+rest with its own matrix kernels. On some CPUs that halves torch's eager time for the same vectors, on others
+torch's kernels are faster (``bench.query_encoder``), so 'auto' times both at load. The export is held in memory:
+nothing is written to disk, and the graph always matches the weights just loaded. It uses torch's TorchScript-based
+exporter (``dynamo=False``; deprecated since torch 2.9 for the torch.export one, which needs onnxscript): should a
+later torch drop it, 'auto' falls back to torch, said in the log."""
 
 from __future__ import annotations
 
