@@ -32,9 +32,10 @@ def test_every_committed_result_has_a_report_with_its_command():
     assert "| load.statuses.429 | 2214 |" in live and "| during_warmup | 20 rows |" in live
 
 
-def test_query_encoder_times_each_number_format_and_compares_what_it_retrieves(tmp_path):
-    """bench.query_encoder over a collection ingested with the real encoder: float32 against itself finds the
-    same five chunks; bfloat16 is timed and ranked too, with a recall the gold can be checked against."""
+def test_query_encoder_times_each_runtime_and_number_format_and_compares_what_it_retrieves(tmp_path):
+    """bench.query_encoder over a collection ingested with the real encoder: torch in float32 against itself finds
+    the same five chunks, and so does ONNX Runtime (the same vectors); bfloat16 is timed and ranked too, with a
+    recall the gold can be checked against."""
     import argparse
     import json
 
@@ -48,8 +49,10 @@ def test_query_encoder_times_each_number_format_and_compares_what_it_retrieves(t
     out = tmp_path / "encoder.json"
     assert main(["--data", str(data), "--chroma", str(tmp_path / "chroma"), "--questions", "8", "--batches", "2",
                  "--out", str(out)]) == 0
-    first, bf16 = json.loads(out.read_text())["results"]
-    assert (first["dtype"], bf16["dtype"]) == ("float32", "bfloat16")
-    assert first["top5_chunks_in_common_with_first"] == 5.0 and 4.0 <= bf16["top5_chunks_in_common_with_first"]
+    first, bf16, onnx = json.loads(out.read_text())["results"]
+    assert [(row["runtime"], row["dtype"]) for row in (first, bf16, onnx)] == [
+        ("torch", "float32"), ("torch", "bfloat16"), ("onnx", "float32")]
+    assert first["top5_chunks_in_common_with_first"] == onnx["top5_chunks_in_common_with_first"] == 5.0
+    assert 4.0 <= bf16["top5_chunks_in_common_with_first"] and onnx["recall_at_5"] == first["recall_at_5"]
     assert first["recall_at_5"] > 0.5 and all(ms > 0 for ms in bf16["encode_ms_median"].values())
     assert set(bf16["library_encode_ms_median"]) == set(bf16["encode_ms_median"]) == {"1", "2", "4"}
