@@ -13,8 +13,9 @@ def has_cuda() -> bool:
 
 
 def torch_device(device: str) -> str:
-    """``device``, with 'auto' settled: the GPU where torch sees one (a question's encoding there costs a
-    fraction of the CPU's, which sets the pace of retrieval on a busy host), else the CPU."""
+    """``device``, with 'auto' settled: the GPU where torch sees one (ingest's batches encode there many times
+    faster; a question's encoding beside a busy vLLM takes about what the CPU's does, docs/benchmarks.md), else
+    the CPU."""
     if device != "auto":
         return device
     return "cuda" if has_cuda() else "cpu"
