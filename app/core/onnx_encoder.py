@@ -24,11 +24,13 @@ class OnnxEncoder:
         import onnxruntime
 
         self.model = model
-        self.inputs = [name for name, value in model.preprocess(["a", "b c"]).items() if hasattr(value, "numpy")]
+        # Traced on a padded batch of two: a batch of equal lengths would let the tracer drop the attention mask.
+        example = model.preprocess(["a question", "a longer question, so the first one is padded"])
+        self.inputs = [name for name, value in example.items() if hasattr(value, "numpy")]
         options = onnxruntime.SessionOptions()
         options.intra_op_num_threads, options.inter_op_num_threads = threads, 1
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")  # idle threads sleep, not spin
-        self.session = onnxruntime.InferenceSession(_export(model, self.inputs), options,
+        self.session = onnxruntime.InferenceSession(_export(model, example, self.inputs), options,
                                                     providers=["CPUExecutionProvider"])
 
     def embed(self, texts: list[str]) -> list[list[float]]:
@@ -38,9 +40,9 @@ class OnnxEncoder:
         return list(vectors.tolist())
 
 
-def _export(model: Any, inputs: list[str]) -> bytes:
-    """The model's whole forward pass as ONNX, traced on a padded batch of two (a batch of equal lengths would
-    let the tracer drop the attention mask), with the batch and the sequence length left free."""
+def _export(model: Any, example: dict[str, Any], inputs: list[str]) -> bytes:
+    """The model's whole forward pass as ONNX, traced on ``example`` (its ``inputs``), with the batch and the
+    sequence length left free."""
     import torch
 
     class Whole(torch.nn.Module):
@@ -52,7 +54,6 @@ def _export(model: Any, inputs: list[str]) -> bytes:
             embedding: torch.Tensor = self.model(dict(zip(inputs, tensors, strict=True)))["sentence_embedding"]
             return embedding
 
-    example = model.preprocess(["a question", "a longer question, so the first one is padded"])
     free = {0: "batch", 1: "tokens"}
     graph = io.BytesIO()
     whole = Whole().eval()  # the exporter puts the module back in the mode it found: eval, as loaded
