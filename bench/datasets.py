@@ -73,3 +73,18 @@ def sample(questions: list[Question], count: int, seed: int) -> list[Question]:
     shuffled = list(questions)
     random.Random(seed).shuffle(shuffled)
     return shuffled[:count]
+
+
+def zipf_sample(questions: list[Question], count: int, seed: int, s: float) -> list[Question]:
+    """A skewed stream: a few documents asked about far more than the rest, as real traffic is. Documents (a gold
+    id's part before ``#``: SQuAD's article, else the gold document itself) are put in a seeded order and the one
+    ranked r is drawn with weight 1/r**s; then one of its questions, uniformly. Drawn with replacement."""
+    groups: dict[str, list[Question]] = {}
+    for question in questions:
+        if question.gold:
+            groups.setdefault(min(question.gold).split("#")[0], []).append(question)
+    order = sorted(groups)
+    rng = random.Random(seed)
+    rng.shuffle(order)
+    weights = [1 / rank ** s for rank in range(1, len(order) + 1)]
+    return [rng.choice(groups[group]) for group in rng.choices(order, weights, k=count)]

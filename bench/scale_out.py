@@ -1,18 +1,21 @@
 """``python -m bench.scale_out --data DIR``: N vLLM replicas behind vllm-router against one replica, and a replica
 SIGKILLed mid-run.
 
-Starts the topology with ``app.vllm.cluster`` (the CPU test model, dev mode) and replays one seeded question stream
-through the service's pipeline (the default strategy, its pre-warm first) three times, caches reset in between:
-``single`` straight to replica 0; ``routed`` through the router (counters summed over the replicas, each one's
-share of requests and prompt tokens); ``failover`` through the router with one replica SIGKILLed once
-``--kill-after`` questions are answered: every question's status and time, when the router marked the replica
-unhealthy (polled on its /workers), and which requests failed before and after that.
+Starts the topology with ``app.vllm.cluster`` (the CPU test model, or ``--model`` with ``--launcher-args``, e.g.
+two CUDA replicas sharing one GPU, dev mode) and replays one seeded question stream through the service's pipeline
+(the default strategy, its pre-warm first), caches reset in between: ``single`` straight to replica 0; ``routed``
+through the router (counters summed over the replicas, each one's share of requests and prompt tokens); with
+``--skew S``, ``skewed_single`` and ``skewed_routed``, the same for a stream drawn Zipf-like over documents (a few
+hot ones: does ``consistent_hash`` pile them onto one replica?); ``failover`` through the router with one replica
+SIGKILLed once ``--kill-after`` questions are answered: every question's status and time, when the router marked
+the replica unhealthy (polled on its /workers), and which requests failed before and after that.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import shlex
 import tempfile
 import time
 from pathlib import Path
@@ -20,7 +23,7 @@ from pathlib import Path
 import httpx
 
 from bench.common import add_stream_args, command_line, environment, write_json
-from bench.datasets import load_dataset, sample
+from bench.datasets import load_dataset, sample, zipf_sample
 
 
 def parse_args(argv):
@@ -31,6 +34,11 @@ def parse_args(argv):
     p.add_argument("--kill-after", type=int, help="failover: SIGKILL the last replica after this many answers "
                    "(default: half the questions)")
     p.add_argument("--max-model-len", type=int, default=32768, help="each replica's window")
+    p.add_argument("--model", help="what each replica serves (default: the CPU test model)")
+    p.add_argument("--launcher-args", default="", help="further `python -m app.vllm_server` flags for each "
+                   "replica, one string (e.g. '--load-format dummy --gpu-memory-utilization 0.42')")
+    p.add_argument("--skew", type=float, default=0.0, help="also replay a stream drawn Zipf-like over documents "
+                   "with this exponent (e.g. 1.1), single and routed (0: no skewed phases)")
     p.add_argument("--chroma-path", type=Path, help="keep the bench collection here (default: a temp dir)")
     p.add_argument("--out", type=Path, required=True, help="JSON result; a PNG plot is written beside it")
     p.set_defaults(dump_prompts=None, replica_metrics=None)  # the harness's options this benchmark does not use
@@ -46,7 +54,8 @@ def main(argv: list[str] | None = None) -> int:
     dataset = load_dataset(args.data)
     stream = sample(dataset.questions, args.questions, args.seed)
     with tempfile.TemporaryDirectory(prefix="scale-out-") as tmp:
-        flags = ["--test-model", "--dev-mode", "--max-model-len", str(args.max_model_len)]
+        model = ["--model", args.model] if args.model else ["--test-model"]
+        flags = [*model, "--dev-mode", "--max-model-len", str(args.max_model_len), *shlex.split(args.launcher_args)]
         with Cluster(args.replicas, flags, Path(tmp) / "logs", first_vllm_port=free_port(), router_port=None,
                      router_metrics_port=None, chroma_port=None, chroma_path=Path(tmp)) as cluster:
             chroma = args.chroma_path or Path(tmp) / "chroma"
@@ -64,15 +73,21 @@ def main(argv: list[str] | None = None) -> int:
 async def _run(args, dataset, stream, cluster, chroma: Path) -> dict:
     from bench.harness import Harness
 
+    streams = {"": stream}
+    if args.skew:
+        streams["skewed_"] = zipf_sample(dataset.questions, args.questions, args.seed, args.skew)
+    phases = {}
     single = await Harness.create(dataset, cluster.replica_urls[0] + "/v1", chroma, args)
     try:
-        await single.fleet.reset()  # the other replicas stay empty and idle during this phase
-        phases = {"single": await single.run_mode("prefixrag", stream, [])}
+        for name, questions in streams.items():
+            await single.fleet.reset()  # the other replicas stay empty and idle during this phase
+            phases[f"{name}single"] = await single.run_mode("prefixrag", questions, [])
     finally:
         await single.close()
     routed = await Harness.create(dataset, cluster.router_url, chroma, args)
     try:
-        phases["routed"] = await routed.run_mode("prefixrag", stream, [])
+        for name, questions in streams.items():
+            phases[f"{name}routed"] = await routed.run_mode("prefixrag", questions, [])
         phases["failover"] = await failover(routed, cluster, stream, args)
     finally:
         await routed.close()
@@ -137,15 +152,26 @@ def describe_failover(events: list[dict], records, marks: dict, victim: str) -> 
 
 
 def summary(phases: dict) -> dict:
-    single, routed, failover = phases["single"], phases["routed"], phases["failover"]
+    failover = phases["failover"]
+    figures = {}
+    for name in ("", "skewed_"):
+        if f"{name}routed" in phases:
+            figures |= {f"{name}{key}": value
+                        for key, value in split(phases[f"{name}single"], phases[f"{name}routed"]).items()}
+    return figures | {"failover_answered": f"{failover['answered']}/{failover['questions']}",
+                      "failover_notice_delay_s": failover["notice_delay_s"],
+                      "failover_failed_after_notice": failover["failed_after_notice"]}
+
+
+def split(single: dict, routed: dict) -> dict:
+    """One stream, one replica against the router: hit rates, each replica's shares, the busiest one's load against
+    the mean (requests), recall."""
+    requests = [r["request_share"] for r in routed["replicas"].values()]
     return {"single_hit_rate": single["hit_rate"], "routed_hit_rate": routed["hit_rate"],
             "routed_vs_single": round(routed["hit_rate"] / single["hit_rate"], 4) if single["hit_rate"] else None,
-            "request_shares": [r["request_share"] for r in routed["replicas"].values()],
-            "token_shares": [r["token_share"] for r in routed["replicas"].values()],
-            "single_recall": single["recall"], "routed_recall": routed["recall"],
-            "failover_answered": f"{failover['answered']}/{failover['questions']}",
-            "failover_notice_delay_s": failover["notice_delay_s"],
-            "failover_failed_after_notice": failover["failed_after_notice"]}
+            "request_shares": requests, "token_shares": [r["token_share"] for r in routed["replicas"].values()],
+            "busiest_vs_mean": round(max(requests) * len(requests), 3) if requests else None,
+            "single_recall": single["recall"], "routed_recall": routed["recall"]}
 
 
 def plot(payload: dict, path: Path) -> None:
@@ -154,23 +180,24 @@ def plot(payload: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    single, routed, failover = payload["single"], payload["routed"], payload["failover"]
+    failover = payload["failover"]
+    routes = [name for name in ("routed", "skewed_routed") if name in payload]
     fig, (hits, shares, timeline) = plt.subplots(1, 3, figsize=(15, 4))
-    hits.bar(["single replica", f"{len(routed['replicas'])} replicas, router"],
-             [single["hit_rate"], routed["hit_rate"]], color="#2e5bff")
+    bars = [name for name in ("single", "routed", "skewed_single", "skewed_routed") if name in payload]
+    hits.bar([name.replace("_", "\n") for name in bars], [payload[name]["hit_rate"] for name in bars],
+             color="#2e5bff")
     hits.set_ylim(0, 1)
     hits.set_title("prefix-cache hit rate (vLLM counters)")
-    names = [f"replica {i}" for i in range(len(routed["replicas"]))]
-    width = 0.4
-    xs = range(len(names))
-    shares.bar([x - width / 2 for x in xs], [r["request_share"] for r in routed["replicas"].values()], width,
-               label="requests")
-    shares.bar([x + width / 2 for x in xs], [r["token_share"] for r in routed["replicas"].values()], width,
-               label="prompt tokens")
-    shares.set_xticks(list(xs), names)
+    names = [f"replica {i}" for i in range(len(payload["routed"]["replicas"]))]
+    width = 0.8 / (2 * len(routes))
+    for n, (route, share) in enumerate((r, s) for r in routes for s in ("request_share", "token_share")):
+        shares.bar([x + (n - len(routes) + 0.5) * width for x in range(len(names))],
+                   [replica[share] for replica in payload[route]["replicas"].values()], width,
+                   label=f"{route}: {share.removesuffix('_share')}s")
+    shares.set_xticks(list(range(len(names))), names)
     shares.set_ylim(0, 1)
-    shares.legend()
-    shares.set_title("each replica's share (routed)")
+    shares.legend(fontsize=7)
+    shares.set_title("each replica's share")
     for status, colour in (("ok", "#2e5bff"), ("error", "#d62728")):
         chosen = [e for e in failover["events"] if bool(e["error"]) == (status == "error")]
         timeline.scatter([e["finished_s"] for e in chosen], [e["finished_s"] - e["started_s"] for e in chosen],
@@ -183,7 +210,7 @@ def plot(payload: dict, path: Path) -> None:
     timeline.legend()
     timeline.set_title(f"one replica SIGKILLed: {failover['answered']}/{failover['questions']} answered")
     fig.suptitle(f"{payload['dataset']}: {payload['config']['questions']} questions, concurrency "
-                 f"{payload['config']['concurrency']}, CPU test model")
+                 f"{payload['config']['concurrency']}, {payload['config'].get('model') or 'CPU test model'}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 

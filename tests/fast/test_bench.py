@@ -56,3 +56,25 @@ def test_query_encoder_times_each_runtime_and_number_format_and_compares_what_it
     assert 4.0 <= bf16["top5_chunks_in_common_with_first"] and onnx["recall_at_5"] == first["recall_at_5"]
     assert first["recall_at_5"] > 0.5 and all(ms > 0 for ms in bf16["encode_ms_median"].values())
     assert set(bf16["library_encode_ms_median"]) == set(bf16["encode_ms_median"]) == {"1", "2", "4"}
+
+
+def test_a_skewed_stream_asks_about_a_few_documents_most_and_the_split_names_the_busiest_replica():
+    """bench.scale_out's skewed phase: Zipf-like over documents (seeded), and its figure for how unevenly the
+    router spread the requests."""
+    from collections import Counter
+
+    from bench.datasets import Question, zipf_sample
+    from bench.scale_out import split
+
+    questions = [Question(f"q{d}-{i}", f"question {i} on {d}", frozenset({f"doc{d}#{i % 3}"}))
+                 for d in range(20) for i in range(10)]
+    stream = zipf_sample(questions, 2000, seed=3, s=1.1)
+    assert stream == zipf_sample(questions, 2000, seed=3, s=1.1) and len(stream) == 2000
+    by_document = Counter(min(q.gold).split("#")[0] for q in stream).most_common()
+    assert by_document[0][1] > 4 * by_document[-1][1] and by_document[0][1] > 2000 / 20 * 2
+    uniform = Counter(min(q.gold).split("#")[0] for q in zipf_sample(questions, 2000, seed=3, s=0.0))
+    assert max(uniform.values()) < 2000 / 20 * 1.5
+    phase = {"hit_rate": 0.9, "recall": 0.8, "replicas": {"a": {"request_share": 0.7, "token_share": 0.6},
+                                                          "b": {"request_share": 0.3, "token_share": 0.4}}}
+    figures = split({"hit_rate": 0.95, "recall": 0.8}, phase)
+    assert figures["busiest_vs_mean"] == 1.4 and figures["routed_vs_single"] == round(0.9 / 0.95, 4)
