@@ -153,7 +153,7 @@ def describe_failover(events: list[dict], records, marks: dict, victim: str) -> 
 
 def summary(phases: dict) -> dict:
     failover = phases["failover"]
-    figures = {}
+    figures: dict = {}
     for name in ("", "skewed_"):
         if f"{name}routed" in phases:
             figures |= {f"{name}{key}": value
