@@ -37,6 +37,8 @@ def parse_args(argv):
     p.add_argument("--model", help="what each replica serves (default: the CPU test model)")
     p.add_argument("--launcher-args", default="", help="further `python -m app.vllm_server` flags for each "
                    "replica, one string (e.g. '--load-format dummy --gpu-memory-utilization 0.42')")
+    p.add_argument("--router-policy", help="vllm-router's --policy (default: the stack's, "
+                   "app.vllm.cluster.ROUTER_FLAGS; e.g. consistent_hash to compare)")
     p.add_argument("--skew", type=float, default=0.0, help="also replay a stream drawn Zipf-like over documents "
                    "with this exponent (e.g. 1.1), single and routed (0: no skewed phases)")
     p.add_argument("--chroma-path", type=Path, help="keep the bench collection here (default: a temp dir)")
@@ -57,7 +59,8 @@ def main(argv: list[str] | None = None) -> int:
         model = ["--model", args.model] if args.model else ["--test-model"]
         flags = [*model, "--dev-mode", "--max-model-len", str(args.max_model_len), *shlex.split(args.launcher_args)]
         with Cluster(args.replicas, flags, Path(tmp) / "logs", first_vllm_port=free_port(), router_port=None,
-                     router_metrics_port=None, chroma_port=None, chroma_path=Path(tmp)) as cluster:
+                     router_metrics_port=None, chroma_port=None, chroma_path=Path(tmp),
+                     **({"router_policy": args.router_policy} if args.router_policy else {})) as cluster:
             chroma = args.chroma_path or Path(tmp) / "chroma"
             phases = asyncio.run(_run(args, dataset, stream, cluster, chroma))
     payload = {"command": command_line("bench.scale_out", argv),
@@ -210,7 +213,8 @@ def plot(payload: dict, path: Path) -> None:
     timeline.legend()
     timeline.set_title(f"one replica SIGKILLed: {failover['answered']}/{failover['questions']} answered")
     fig.suptitle(f"{payload['dataset']}: {payload['config']['questions']} questions, concurrency "
-                 f"{payload['config']['concurrency']}, {payload['config'].get('model') or 'CPU test model'}")
+                 f"{payload['config']['concurrency']}, {payload['config'].get('model') or 'CPU test model'}, router "
+                 f"{payload['config'].get('router_policy') or 'default'}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 

@@ -15,7 +15,7 @@ from app.core.errors import BadRequest, ContextTooLong
 from app.core.metrics import ServiceMetrics
 from app.core.settings import RequestLimits, SamplingSettings
 from app.core.tracing import AnswerTraces
-from app.rag.affinity import affinity_key
+from app.rag.affinity import RouteKeys
 from app.rag.budget import TokenEstimator
 from app.rag.context import ContextChunk, PromptBuilder
 from app.rag.conversation import Plan, fit_conversation, new_context_per_turn
@@ -102,10 +102,12 @@ class Pipeline:
     def __init__(self, limits: RequestLimits, sampling: SamplingSettings, index: CollectionIndex,
                  ranker: Ranker, llm: LLM, builder: PromptBuilder, planner: ContextPlanner,
                  estimator: TokenEstimator, metrics: ServiceMetrics, prompt_ids: PromptIds | None = None,
-                 traces: AnswerTraces | None = None) -> None:
+                 traces: AnswerTraces | None = None, route_keys: RouteKeys | None = None) -> None:
+        """``route_keys``: spreads a hot unit over several replicas (None: one routing key per unit)."""
         self.limits, self.sampling, self.index, self.ranker, self.llm = limits, sampling, index, ranker, llm
         self.builder, self.planner, self.estimator = builder, planner, estimator
         self.metrics, self.prompt_ids, self.traces = metrics, prompt_ids, traces
+        self.route_keys = route_keys or RouteKeys()
         self.rules = RequestRules(limits)
         self._retrievals: AsyncLRU[Ranking] = AsyncLRU(RETRIEVAL_CACHE_SIZE)
         self._first_contexts: AsyncLRU[list[ContextChunk]] = AsyncLRU(RETRIEVAL_CACHE_SIZE)
@@ -139,8 +141,11 @@ class Pipeline:
         messages, kept = await fit_conversation(plan, self.builder, self.llm, talk.system, budget, self.estimator)
         self.planner.served(kept)
         clock.mark("assemble")
-        # Every turn keyed by turn 1's context, where its prompt starts.
-        prompt = Prompt(messages, plan, kept, retrieved[-1], self.planner.strategy_for(first), affinity_key(first))
+        # Every turn keyed by turn 1's context, where its prompt starts; a later turn by the unit's own key, on the
+        # replica its pre-warm went to (a hot unit's turn 1 may have gone to another: the unit is cached there too).
+        replicas = served.replicas if len(talk.questions) == 1 else 1
+        prompt = Prompt(messages, plan, kept, retrieved[-1], self.planner.strategy_for(first),
+                        self.route_keys.key(first, replicas))
         try:
             async for event in self._generate(prompt, talk, clock):
                 yield event

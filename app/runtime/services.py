@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from app.core.metrics import ServiceMetrics
 from app.core.settings import Settings, TrafficSettings
 from app.core.tracing import AnswerTraces
+from app.rag.affinity import RouteKeys
 from app.rag.budget import TokenEstimator
 from app.rag.context import PromptBuilder
 from app.rag.index import CollectionIndex
@@ -149,7 +150,8 @@ def assemble(clients: Clients, settings: Settings, metrics: ServiceMetrics) -> S
                              clients.settings.chroma.collection, estimator)
     traffic = admission(settings.traffic)
     pipeline = Pipeline(settings.limits, settings.sampling, clients.index, clients.ranker, clients.llm, builder,
-                        planner, estimator, metrics, clients.prompt_ids, clients.traces)
+                        planner, estimator, metrics, clients.prompt_ids, clients.traces,
+                        RouteKeys(settings.vllm.spread_hot_units))
     warmer = Warmer(settings.warmup, planner, clients.llm, estimator, clients.upstream, traffic)
     queue = EngineQueue(traffic, clients.upstream, settings.traffic.load_interval_s) if traffic.auto else None
     watcher = CollectionWatcher(clients.index, clients.ranker)

@@ -175,7 +175,7 @@ class Upstream:
         return UpstreamInfo(model=card["id"], max_model_len=int(card.get("max_model_len") or 2048),
                             block_size=int(cache.get("block_size") or 16), prefix_caching=prefix_caching,
                             kv_cache_tokens=sum(int(c.get("kv_cache_size_tokens") or 0) for c in caches),
-                            root=str(card.get("root") or ""))
+                            root=str(card.get("root") or ""), replicas=len(metrics))
 
     def status(self) -> UpstreamStatus:
         router = None

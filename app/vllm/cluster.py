@@ -1,8 +1,9 @@
 """``python -m app.cluster --replicas 2 --test-model``: the scale-out topology on one machine, no containers.
 
 Starts N vLLM replicas through ``python -m app.vllm_server`` (the project's flags), a ``chroma run`` server,
-vllm-router in front of the replicas with its ``consistent_hash`` policy (prefixrag keys every request by its
-prompt's stable prefix in the ``X-Session-ID`` header, so each unit is cached on one replica and served there),
+vllm-router in front of the replicas with its ``sticky_least_loaded`` policy (prefixrag keys every request by its
+prompt's stable prefix in the ``X-Session-ID`` header; the router places a key it has not seen on the least loaded
+replica and keeps it there, so each unit is cached on one replica and served there),
 optionally ingests folders into the Chroma server, then serves the app pointed at the router and at Chroma.
 Ctrl-C (or SIGTERM) stops everything. Each server logs to its own file under ``--logs``.
 
@@ -23,13 +24,16 @@ from app.core.devices import has_cuda
 from app.core.version import add_version
 from app.vllm.process import Child, app_child, chroma_child, free_port, vllm_argv
 
-# vllm-router's flags, the same in docker/compose.yaml. consistent_hash is keyed by X-Session-ID, which prefixrag
-# sets to the prompt's stable prefix (app.rag.affinity). Measured with a SIGKILLed replica: by default the router
+# vllm-router's flags, the same in docker/compose.yaml. sticky_least_loaded is keyed by X-Session-ID, which
+# prefixrag sets to the prompt's stable prefix (app.rag.affinity): a new key goes to the least loaded replica and
+# stays there. consistent_hash (keyed the same) hashes keys to replicas whatever their traffic: with a few dozen
+# units it split requests 36/64 on the H200, 29/71 with a few hot units (docs/operations.md). Measured with a
+# SIGKILLed replica: by default the router
 # retries a request 5 times on the same (dead) replica, since its circuit opens only after 10 failures, and the
 # request fails; with the circuit opening after 2, the third attempt goes to a live replica. Health checks every
 # 2 s drop a dead replica after 3 failures (~6 s) and re-admit it after 2 successes; its circuit is retried
 # after 10 s (not 60), so a replica that came back gets its units again soon.
-ROUTER_FLAGS = ["--policy", "consistent_hash", "--health-check-interval-secs", "2", "--cb-failure-threshold", "2",
+ROUTER_FLAGS = ["--policy", "sticky_least_loaded", "--health-check-interval-secs", "2", "--cb-failure-threshold", "2",
                 "--cb-timeout-duration-secs", "10"]
 
 
@@ -53,11 +57,15 @@ class Cluster:
 
     def __init__(self, replicas: int, vllm_flags: list[str], logs: Path, *, first_vllm_port: int,
                  router_port: int | None, router_metrics_port: int | None, chroma_port: int | None,
-                 chroma_path: Path, replica_env: dict[str, str] | None = None, startup_timeout_s: float = 900) -> None:
+                 chroma_path: Path, replica_env: dict[str, str] | None = None, startup_timeout_s: float = 900,
+                 router_policy: str = ROUTER_FLAGS[1]) -> None:
         """``router_port``/``router_metrics_port`` None: free ones, picked as the router starts (and picked again
-        if another process took one meanwhile: the replicas bind ports of their own while they load)."""
+        if another process took one meanwhile: the replicas bind ports of their own while they load).
+        ``router_policy``: vllm-router's ``--policy`` (benchmarks compare others; the stack uses the default)."""
         logs.mkdir(parents=True, exist_ok=True)
         self.logs, self.startup_timeout_s = logs, startup_timeout_s
+        self.router_flags = [*ROUTER_FLAGS[:ROUTER_FLAGS.index("--policy") + 1], router_policy,
+                             *ROUTER_FLAGS[ROUTER_FLAGS.index("--policy") + 2:]]
         self.replica_ports = [first_vllm_port + i for i in range(replicas)]
         devices = replica_devices(replicas, has_cuda())
         self.replicas = [Child(f"vLLM replica {i}", vllm_argv(port, *vllm_flags), logs / f"vllm-{i}.log",
@@ -102,7 +110,7 @@ class Cluster:
         self.router_port = port
         return Child("vllm-router", [
             sys.executable, "-m", "vllm_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
-            "--worker-urls", *self.replica_urls, *ROUTER_FLAGS,
+            "--worker-urls", *self.replica_urls, *self.router_flags,
             "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port)], self.logs / "router.log")
 
     def _start_router(self) -> None:

@@ -169,3 +169,4 @@ class UpstreamInfo:
     kv_cache_tokens: int
     special_tokens: tuple[str, ...] = ()  # the served tokenizer's, kept out of untrusted text
     root: str = ""  # where vLLM loads the model from (/v1/models), a local folder or a hub id
+    replicas: int = 1  # the healthy replicas behind vllm-router read directly (1: vLLM itself)

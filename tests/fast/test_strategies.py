@@ -88,3 +88,27 @@ def test_a_big_unit_holding_most_hits_is_the_context_else_the_plain_top_k_is(art
     assert [c.unit for c in context] == [top] * 8
     ranked, context = asyncio.run(arranged(mixed, 4, quorum=1.0))
     assert context == canonical(ranked)
+
+
+def test_a_hot_unit_takes_turns_among_several_routing_keys_and_the_others_keep_their_one():
+    """Behind two replicas a unit asked in 40 % of requests gets two keys (its own first), used in turn; a unit
+    asked in 4 % keeps its own; with one replica, before enough requests, or with spreading off, every unit has
+    one key."""
+    from app.rag.affinity import SPREAD_AFTER, RouteKeys, affinity_key
+    from app.rag.context import ContextChunk
+
+    def unit(name: str) -> list[ContextChunk]:
+        return [ContextChunk(id=f"{name}#0", doc_id=name, chunk_index=0, text="...", unit=name)]
+
+    hot, cold = unit("hot"), unit("cold")
+    stream = [hot if n % 5 < 2 else (cold if n % 25 == 2 else unit(f"u{n % 17}")) for n in range(3 * SPREAD_AFTER)]
+    keys, plain, off = RouteKeys(), RouteKeys(), RouteKeys(spreading=False)
+    given = [(context, keys.key(context, replicas=2), plain.key(context, replicas=1)) for context in stream]
+    assert all(single == affinity_key(context) == off.key(context, replicas=2) for context, _, single in given)
+    early, late = given[:SPREAD_AFTER // 2], given[2 * SPREAD_AFTER:]
+    assert {key for context, key, _ in early} == {affinity_key(context) for context, _, _ in early}
+    hot_keys = [key for context, key, _ in late if context is hot]
+    assert set(hot_keys) == {affinity_key(hot), affinity_key(hot) + ".1"}
+    assert hot_keys[:4] in ([affinity_key(hot), affinity_key(hot) + ".1"] * 2,
+                            [affinity_key(hot) + ".1", affinity_key(hot)] * 2)
+    assert {key for context, key, _ in late if context is cold} == {affinity_key(cold)}
