@@ -112,6 +112,9 @@ class Harness:
         result |= summarise(records, stream, counted["hits"], counted["queries"], wall_s, ceiling)
         if self.fleet.routed:  # each replica's share of the work, and its own hit rate
             result["replicas"] = counted["servers"]
+            # Requests sent with a hot unit's extra routing key (app.rag.affinity.RouteKeys), and how many units.
+            extra = [r.prefix_key for r in records if "." in r.prefix_key]
+            result["spread"] = {"requests": len(extra), "units": len({key.split(".")[0] for key in extra})}
         result["strategy"] = service.planner.name if service is not None else "naive"
         if service is not None:
             result["warmup"] = asdict(service.warmer.progress)

@@ -174,6 +174,7 @@ def split(single: dict, routed: dict) -> dict:
             "routed_vs_single": round(routed["hit_rate"] / single["hit_rate"], 4) if single["hit_rate"] else None,
             "request_shares": requests, "token_shares": [r["token_share"] for r in routed["replicas"].values()],
             "busiest_vs_mean": round(max(requests) * len(requests), 3) if requests else None,
+            "spread_requests": routed.get("spread", {}).get("requests"),
             "single_recall": single["recall"], "routed_recall": routed["recall"]}
 
 
