@@ -22,12 +22,12 @@ class VLLMSettings(BaseModel):
     timeout_s: float = Field(120.0, gt=0, description="Per-request timeout to vLLM; over it /ask answers 504.")
     retry_interval_s: float = Field(2.0, gt=0, description="Seconds between vLLM readiness probes.")
     affinity_header: str = Field(
-        "X-Session-ID", description="Header carrying each request's prefix-affinity key: vllm-router routes by "
-        "it (sticky_least_loaded, consistent_hash), so requests sharing a cached prefix reach the same replica.")
+        "X-Session-ID", description="Header carrying each request's prefix-affinity key: vllm-router's "
+        "consistent_hash policy routes by it, so requests sharing a cached prefix reach the same replica.")
     spread_hot_units: bool = Field(
         True, description="Behind a router with several replicas, give a unit asked about in more than half a "
-        "replica's fair share of recent requests more than one affinity key, so that a load-aware router caches "
-        "it on more than one replica instead of sending all its traffic to one (off: one key per unit).")
+        "replica's fair share of recent requests more than one affinity key, taken in turn, so that the router can "
+        "cache it on more than one replica instead of sending all its traffic to one (off: one key per unit).")
     token_id_prompts: bool = Field(
         False, description="Opt-in (docs/design.md: token-id prompts). Send a prompt whose head was seen before "
         "as token ids (to /v1/completions), the head tokenized once here with the served model's tokenizer, so "

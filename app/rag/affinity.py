@@ -25,8 +25,9 @@ class RouteKeys:
     """A request's routing key: its unit's ``affinity_key``, except for a hot unit behind a router with several
     replicas. A unit asked about in a share ``s`` of recent requests is given ``ceil(s * replicas * 2)`` keys
     (its own, then ``key.1``, ``key.2``...; at most one per replica) that its requests take in turn, so that no key
-    carries more than half a replica's fair share: a router that places new keys by load (vllm-router's
-    ``sticky_least_loaded``) then caches the unit on more than one replica instead of piling its traffic on one.
+    carries more than half a replica's fair share, and the router can cache the unit on more than one replica
+    instead of piling its traffic on one (``consistent_hash`` sends a new key to another replica with chance
+    (n-1)/n; ``sticky_least_loaded`` to the least loaded one).
     Shares are counts decayed with a half-life of ``half_life`` requests."""
 
     def __init__(self, spreading: bool = True, half_life: int = 500) -> None:

@@ -1,9 +1,8 @@
 """``python -m app.cluster --replicas 2 --test-model``: the scale-out topology on one machine, no containers.
 
 Starts N vLLM replicas through ``python -m app.vllm_server`` (the project's flags), a ``chroma run`` server,
-vllm-router in front of the replicas with its ``sticky_least_loaded`` policy (prefixrag keys every request by its
-prompt's stable prefix in the ``X-Session-ID`` header; the router places a key it has not seen on the least loaded
-replica and keeps it there, so each unit is cached on one replica and served there),
+vllm-router in front of the replicas with its ``consistent_hash`` policy (prefixrag keys every request by its
+prompt's stable prefix in the ``X-Session-ID`` header, so each unit is cached on one replica and served there),
 optionally ingests folders into the Chroma server, then serves the app pointed at the router and at Chroma.
 Ctrl-C (or SIGTERM) stops everything. Each server logs to its own file under ``--logs``.
 
@@ -24,16 +23,16 @@ from app.core.devices import has_cuda
 from app.core.version import add_version
 from app.vllm.process import Child, app_child, chroma_child, free_port, vllm_argv
 
-# vllm-router's flags, the same in docker/compose.yaml. sticky_least_loaded is keyed by X-Session-ID, which
-# prefixrag sets to the prompt's stable prefix (app.rag.affinity): a new key goes to the least loaded replica and
-# stays there. consistent_hash (keyed the same) hashes keys to replicas whatever their traffic: with a few dozen
-# units it split requests 36/64 on the H200, 29/71 with a few hot units (docs/operations.md). Measured with a
-# SIGKILLed replica: by default the router
+# vllm-router's flags, the same in docker/compose.yaml. consistent_hash is keyed by X-Session-ID, which prefixrag
+# sets to the prompt's stable prefix (app.rag.affinity); each key has a home replica it returns to after a restart.
+# sticky_least_loaded (keyed the same) balanced a skewed stream better (docs/operations.md), but it keeps a key
+# where it was last placed: after a replica restarts, the keys that moved off it stay on the survivor, so one
+# replica carries them all (tests/cluster caught it). Measured with a SIGKILLed replica: by default the router
 # retries a request 5 times on the same (dead) replica, since its circuit opens only after 10 failures, and the
 # request fails; with the circuit opening after 2, the third attempt goes to a live replica. Health checks every
 # 2 s drop a dead replica after 3 failures (~6 s) and re-admit it after 2 successes; its circuit is retried
 # after 10 s (not 60), so a replica that came back gets its units again soon.
-ROUTER_FLAGS = ["--policy", "sticky_least_loaded", "--health-check-interval-secs", "2", "--cb-failure-threshold", "2",
+ROUTER_FLAGS = ["--policy", "consistent_hash", "--health-check-interval-secs", "2", "--cb-failure-threshold", "2",
                 "--cb-timeout-duration-secs", "10"]
 
 

@@ -1,4 +1,4 @@
-"""Scale-out with real parts: two vLLM CPU replicas behind the real vllm-router (sticky_least_loaded, keyed by each
+"""Scale-out with real parts: two vLLM CPU replicas behind the real vllm-router (consistent_hash, keyed by each
 prompt's stable prefix), the app in front. Which replica served a request is read from the replicas' own
 /metrics, never from the app."""
 
