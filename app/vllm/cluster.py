@@ -63,8 +63,7 @@ class Cluster:
         ``router_policy``: vllm-router's ``--policy`` (benchmarks compare others; the stack uses the default)."""
         logs.mkdir(parents=True, exist_ok=True)
         self.logs, self.startup_timeout_s = logs, startup_timeout_s
-        self.router_flags = [*ROUTER_FLAGS[:ROUTER_FLAGS.index("--policy") + 1], router_policy,
-                             *ROUTER_FLAGS[ROUTER_FLAGS.index("--policy") + 2:]]
+        self.router_flags = ["--policy", router_policy, *ROUTER_FLAGS[2:]]  # ROUTER_FLAGS opens with its policy
         self.replica_ports = [first_vllm_port + i for i in range(replicas)]
         devices = replica_devices(replicas, has_cuda())
         self.replicas = [Child(f"vLLM replica {i}", vllm_argv(port, *vllm_flags), logs / f"vllm-{i}.log",
