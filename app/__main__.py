@@ -81,7 +81,7 @@ class DrainingServer(uvicorn.Server):
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         services = getattr(self.app.state, "services", None)
         if services is not None:  # the streams end ahead of uvicorn's own cut, so that they can end cleanly
-            services.traffic.drain(self.drain_s - min(1.0, self.drain_s / 4))
+            services.traffic.cutoff.arm(self.drain_s - min(2.0, self.drain_s / 4))
         super().handle_exit(sig, frame)
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:

@@ -8,7 +8,7 @@ import contextlib
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator
 
-from app.core.errors import ShuttingDown, StoreUnavailable, UpstreamUnavailable
+from app.core.errors import StoreUnavailable, UpstreamUnavailable
 from app.core.metrics import ServiceMetrics
 from app.rag.pipeline import Answer, Pipeline, final_answer
 from app.rag.planner import ContextPlanner
@@ -50,13 +50,12 @@ class Service:
 
     async def _admitted(self, events: AsyncIterator[Delta | Answer]) -> AsyncGenerator[Delta | Answer, None]:
         """Admission (a slot, or 429 at once) around the whole request, and vLLM's health watched. Once a stop's
-        drain time is over, a request still running ends with ``ShuttingDown`` at its next event (its client gets
-        a terminal event; closing ``events`` aborts its vLLM request) rather than be cut off mid-body."""
+        drain time is over, a request still running ends with ``ShuttingDown`` then (its client gets a terminal
+        event; closing ``events`` aborts its vLLM request) rather than be cut off mid-body."""
         try:
-            async with self.traffic.slot(), contextlib.aclosing(events):  # type: ignore[type-var]
-                async for event in events:
-                    if self.traffic.cut_off():
-                        raise ShuttingDown("the service is shutting down; retry shortly")
+            async with (self.traffic.slot(), contextlib.aclosing(events),  # type: ignore[type-var]
+                        contextlib.aclosing(self.traffic.cutoff.guard(events)) as guarded):
+                async for event in guarded:
                     yield event
         except StoreUnavailable:
             raise  # Chroma's problem, not vLLM's: the collection watcher keeps readiness for it

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from app.core.errors import Overloaded
+from app.runtime.cutoff import Cutoff
 from app.runtime.returns import Returns
 
 T = TypeVar("T")
@@ -66,20 +67,10 @@ class LiveTraffic:
         self._queued_at = -math.inf  # when a reading last showed requests waiting in vLLM's queue (monotonic s)
         self._congested = asyncio.Event()  # set while vLLM's last reading showed requests waiting in its queue
         self._refused_at = -math.inf  # when a request was last refused (monotonic s)
-        self._cut_at: float | None = None  # stopping: when requests still running are ended (monotonic s)
+        self.cutoff = Cutoff()  # stopping: when requests still running are ended
         self.returns = Returns()  # refused connections, and when each was told to come back
         self._changed = asyncio.Event()  # set (and replaced) at each reading of vLLM's queue and each freed place
         self.reading_wanted = asyncio.Event()  # a request waits beyond the limit: read vLLM's queue now, not later
-
-    def drain(self, seconds: float) -> None:
-        """The process is stopping: requests still running after ``seconds`` are to end (``cut_off``). Safe to
-        call from a signal handler."""
-        if self._cut_at is None:
-            self._cut_at = time.monotonic() + seconds
-
-    def cut_off(self) -> bool:
-        """Is the drain time over (checked by every stream at each event)?"""
-        return self._cut_at is not None and time.monotonic() >= self._cut_at
 
     @property
     def busy(self) -> asyncio.Event:

@@ -24,6 +24,8 @@ from tests.support.env import ROOT
 from tests.support.servers import PROBE_TIMEOUT, AppServer
 from tests.support.vllm_state import IGNORE_EOS, LONG, running, vllm_counters, wait_until
 
+DRAIN_S = 8  # the SIGTERM test's drain time (s)
+
 pytestmark = pytest.mark.vllm
 
 
@@ -127,7 +129,7 @@ def test_sigterm_drains_then_ends_each_stream_with_a_terminal_event_and_exits_le
     port = free_port()
     env = os.environ | {"PREFIXRAG_VLLM_URL": vllm_url, "PREFIXRAG_CHROMA_PATH": str(collections),
                         "PREFIXRAG_COLLECTION": "facts", "PREFIXRAG_SERVICE__PORT": str(port),
-                        "PREFIXRAG_TRAFFIC__DRAIN_S": "3",
+                        "PREFIXRAG_TRAFFIC__DRAIN_S": str(DRAIN_S),
                         "PREFIXRAG_SAMPLING__EXTRA_SAMPLING": '{"ignore_eos": true}'}
     app = subprocess.Popen([sys.executable, "-m", "app"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                            stderr=subprocess.STDOUT, text=True)
@@ -153,7 +155,6 @@ def test_sigterm_drains_then_ends_each_stream_with_a_terminal_event_and_exits_le
         wait_until(lambda: running(vllm_url) >= 2, 90, "both answers decoding in vLLM")  # cold prefills, 2 busy cores
         app.send_signal(signal.SIGTERM)
         exited = wait_until(lambda: app.poll() is not None, 30, "the app exiting after its drain time")
-        assert 2 <= exited <= 3 + 2, "requests in flight get their drain time, and no more"
         for thread in threads:
             thread.join(10)
         wait_until(lambda: running(vllm_url) == 0, 10, "no orphaned vLLM work")
@@ -161,6 +162,8 @@ def test_sigterm_drains_then_ends_each_stream_with_a_terminal_event_and_exits_le
         app.kill()
         output = app.communicate()[0]
     assert app.returncode in (0, -signal.SIGTERM), output  # uvicorn re-raises the signal once it has shut down
+    # Streams end 2 s before the drain time is over; the rest is teardown, on 2 cores vLLM keeps busy.
+    assert DRAIN_S - 2 <= exited <= DRAIN_S + 3, f"in flight for the drain time, no more: {exited:.1f} s\n{output}"
     assert ends["ask"][0] == "event: error" and '"shutting_down"' in ends["ask"][1], ends
     assert '"shutting_down"' in ends["chat"][0] and ends["chat"][1] == "data: [DONE]", ends
     assert "Traceback" not in output and "timeout graceful shutdown exceeded" not in output, output[-3000:]
