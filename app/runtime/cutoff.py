@@ -1,6 +1,6 @@
 """The end of a stop's drain time: requests still running then end with ``ShuttingDown`` at that moment, also
-those waiting on vLLM (a queued prefill, a slow decode step) or on a place, whose next event may come only after
-uvicorn has cut their connection (no terminal event, a traceback in the log)."""
+those waiting on vLLM (a queued prefill, a slow decode step), whose next event may come only after uvicorn has cut
+their connection (no terminal event, a traceback in the log)."""
 from __future__ import annotations
 
 import asyncio
@@ -22,7 +22,6 @@ class Cutoff:
         self._at: float | None = None  # when requests still running are ended (monotonic s)
         self._loop: asyncio.AbstractEventLoop | None = None  # the serving loop, known from the first request
         self._waiting: dict[object, asyncio.Task[object]] = {}  # a request's key -> the task awaiting its next event
-        self._cut_done = False  # the deadline's cancels were sent
 
     def arm(self, seconds: float) -> None:
         """The process is stopping: end what still runs after ``seconds``. Safe to call from a signal handler."""
@@ -47,7 +46,7 @@ class Cutoff:
             except StopAsyncIteration:
                 return
             except asyncio.CancelledError:
-                if not self._cut_done:
+                if not self.over():  # the client's own hang-up, not the deadline's cut
                     raise
                 task.uncancel()
                 break
@@ -57,6 +56,5 @@ class Cutoff:
         raise ShuttingDown("the service is shutting down; retry shortly")
 
     def _cut(self) -> None:
-        self._cut_done = True
         for task in list(self._waiting.values()):
             task.cancel()
