@@ -25,21 +25,25 @@ class QuestionVectors:
         vector: asyncio.Future[list[float]] = asyncio.get_running_loop().create_future()
         self._pending.append((question, vector))
         if len(self._encoders) < self.parallel:
-            encoder = asyncio.create_task(self._encode_pending(), name="question-vectors")
-            self._encoders.add(encoder)
-            encoder.add_done_callback(self._encoders.discard)
+            self._encoders.add(asyncio.create_task(self._encode_pending(), name="question-vectors"))
         return await vector
 
     async def _encode_pending(self) -> None:
-        while self._pending:
-            batch, self._pending = self._pending[:MAX_BATCH], self._pending[MAX_BATCH:]
-            try:
-                vectors = await self.run(self.embedder.embed, [question for question, _ in batch])
-            except Exception as exc:  # every question of the batch fails as its own request would have
-                for _, vector in batch:
-                    if not vector.done():
-                        vector.set_exception(exc)
-                continue
-            for (_, vector), found in zip(batch, vectors):
-                if not vector.done():  # its request may have gone meanwhile
-                    vector.set_result(found)
+        try:
+            while self._pending:
+                batch, self._pending = self._pending[:MAX_BATCH], self._pending[MAX_BATCH:]
+                try:
+                    vectors = await self.run(self.embedder.embed, [question for question, _ in batch])
+                except Exception as exc:  # every question of the batch fails as its own request would have
+                    for _, vector in batch:
+                        if not vector.done():
+                            vector.set_exception(exc)
+                    continue
+                for (_, vector), found in zip(batch, vectors):
+                    if not vector.done():  # its request may have gone meanwhile
+                        vector.set_result(found)
+        finally:
+            # Here, not in a done callback: that runs a loop turn later, and a question asked in between (its
+            # caller resumed by the last result) would find this encoder still counted and wait for nothing.
+            self._encoders.discard(asyncio.current_task())
+

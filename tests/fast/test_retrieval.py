@@ -183,3 +183,24 @@ def _close_to(vectors: list[list[float]], tolerance: float) -> object:
     import pytest
 
     return [pytest.approx(vector, abs=tolerance) for vector in vectors]
+
+
+def test_a_question_asked_as_the_encoder_finishes_its_last_batch_is_encoded(embedder):
+    """The encoder task ends when nothing is pending; a question asked in the same loop turn (the first
+    question's caller resumes before the finished task's done callbacks run) must start another, not wait for
+    one that has already returned: a request hung until the next question arrived."""
+    import asyncio
+
+    from app.rag.vectors import QuestionVectors
+
+    async def one_after_another():
+        pool = ThreadPoolExecutor(1)
+        vectors = QuestionVectors(embedder, lambda work, *args: asyncio.get_running_loop().run_in_executor(
+            pool, work, *args))
+        first = await vectors.embed("What do anchors do?")
+        second = await vectors.embed("What do tides do?")  # awaited directly: asked in the turn it resumes
+        pool.shutdown()
+        return first, second
+
+    first, second = asyncio.run(asyncio.wait_for(one_after_another(), 10))
+    assert len(first) == len(second) == embedder.dimension and first != second
