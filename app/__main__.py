@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
+import logging
 import math
 import os
 import socket
@@ -15,6 +17,10 @@ import uvicorn
 from pydantic import ValidationError
 
 from app.core.version import add_version
+from app.runtime.cutoff import Cutoff
+
+CLOSE_S = 2.0  # at most, between ending the requests still running and cutting what has not ended
+log = logging.getLogger("prefixrag")
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -58,11 +64,11 @@ def main(argv: list[str] | None = None) -> int:
     logs = configure_logging(service.log_level, service.log_repeats_s, service.log_format)
     # log_config=None: uvicorn's lines go through ours (request id, quiet probes).
     options: dict[str, Any] = {"host": service.host, "port": service.port, "log_level": service.log_level,
-                               "timeout_graceful_shutdown": math.ceil(settings.traffic.drain_s),
                                "timeout_keep_alive": service.keep_alive_s, "log_config": None}
     if args.reload:  # a --reload worker is another process: it reads the flags from the environment
         os.environ.update(environment_of(flags))
-        uvicorn.run("app.serve.app:create_app", factory=True, reload=True, **options)
+        uvicorn.run("app.serve.app:create_app", factory=True, reload=True,
+                    timeout_graceful_shutdown=math.ceil(settings.traffic.drain_s), **options)
         return 0
     app = _create(settings)
     DrainingServer(uvicorn.Config(app, **options), app, settings.traffic.drain_s, logs).run()
@@ -72,21 +78,59 @@ def main(argv: list[str] | None = None) -> int:
 class DrainingServer(uvicorn.Server):
     """SIGTERM: stop accepting, let requests in flight finish for ``drain_s``; shortly before that, a request
     still running ends with a terminal event (``ShuttingDown``: 503, ``event: error``, a chat's error chunk and
-    ``[DONE]``) and its vLLM request is aborted, instead of being cut off mid-body; then exit."""
+    ``[DONE]``) and its vLLM request is aborted, instead of being cut off mid-body; then exit.
+
+    The server's own cut (cancel what has still not ended) replaces uvicorn's ``timeout_graceful_shutdown`` and
+    comes after ``CLOSE_S`` of the event loop's running time since ours: both timed from the signal, a loop stalled
+    past both deadlines (a CPU vLLM keeps busy) ran them in one turn, and cut the streams before their terminal
+    events were out."""
 
     def __init__(self, config: uvicorn.Config, app: FastAPI, drain_s: float, logs: Logs) -> None:
         super().__init__(config)
-        self.app, self.drain_s, self.logs = app, drain_s, logs
+        self.app, self.logs = app, logs
+        self.close_s = min(CLOSE_S, drain_s / 4)  # for the terminal events and the connections' closes
+        self.ends_in = drain_s - self.close_s  # from the signal, when requests still running are ended
+        self.cutoff: Cutoff | None = None
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        services = getattr(self.app.state, "services", None)
-        if services is not None:  # the streams end ahead of uvicorn's own cut, so that they can end cleanly
-            services.traffic.cutoff.arm(self.drain_s - min(2.0, self.drain_s / 4))
+        self._armed()
         super().handle_exit(sig, frame)
 
+    def _armed(self) -> Cutoff:
+        """The service's cutoff, armed once (at the signal) to end what still runs ``ends_in`` from now."""
+        if self.cutoff is None:
+            services = getattr(self.app.state, "services", None)  # none while the app still starts
+            self.cutoff = services.traffic.cutoff if services is not None else Cutoff()
+            self.cutoff.arm(self.ends_in)
+        return self.cutoff
+
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
-        await super().shutdown(sockets)
+        ending = asyncio.create_task(self._end_what_still_runs())
+        try:
+            await super().shutdown(sockets)
+        finally:
+            ending.cancel()
         self.logs.close()  # uvicorn re-raises the signal after this: atexit would never run
+
+    async def _end_what_still_runs(self) -> None:
+        cutoff = self._armed()  # by the signal, or now: a server may stop without one
+        await asyncio.sleep(cutoff.seconds_left())
+        cutoff.cut()
+        await running_time(self.close_s)
+        if tasks := self.server_state.tasks:
+            log.error("%d request(s) still running after the drain time: cancelled", len(tasks))
+        for task in tasks:
+            task.cancel(msg="the drain time is over")
+
+
+async def running_time(seconds: float, step: float = 0.1) -> None:
+    """Sleep for ``seconds`` of the event loop's running time: a stall (the process not scheduled) counts as two
+    steps at most, so that what was waiting when it began still gets its turns after it."""
+    loop = asyncio.get_running_loop()
+    while seconds > 0:
+        started = loop.time()
+        await asyncio.sleep(min(step, seconds))
+        seconds -= min(loop.time() - started, 2 * step)
 
 
 def _create(settings: Settings) -> FastAPI:

@@ -1,6 +1,6 @@
 """The end of a stop's drain time: requests still running then end with ``ShuttingDown`` at that moment, also
-those waiting on vLLM (a queued prefill, a slow decode step), whose next event may come only after uvicorn has cut
-their connection (no terminal event, a traceback in the log)."""
+those waiting on vLLM (a queued prefill, a slow decode step), whose next event may come only after the server has
+cut their connection (no terminal event, a traceback in the log)."""
 from __future__ import annotations
 
 import asyncio
@@ -14,30 +14,36 @@ Event = TypeVar("Event")
 
 
 class Cutoff:
-    """Armed once, from the signal handler; at the deadline every request waiting is cancelled in the task that
-    waits, which turns the cancel into ``ShuttingDown`` (its client gets a terminal event; closing the request's
-    events aborts its vLLM request)."""
+    """Armed once, from the signal handler; ``cut`` (the server's shutdown calls it when the drain time is over)
+    cancels every request waiting in the task that waits, which turns the cancel into ``ShuttingDown`` (its client
+    gets a terminal event; closing the request's events aborts its vLLM request)."""
 
     def __init__(self) -> None:
         self._at: float | None = None  # when requests still running are ended (monotonic s)
-        self._loop: asyncio.AbstractEventLoop | None = None  # the serving loop, known from the first request
         self._waiting: dict[object, asyncio.Task[object]] = {}  # a request's key -> the task awaiting its next event
 
     def arm(self, seconds: float) -> None:
-        """The process is stopping: end what still runs after ``seconds``. Safe to call from a signal handler."""
-        if self._at is not None:
-            return
-        self._at = time.monotonic() + seconds
-        if self._loop is not None:
-            self._loop.call_soon_threadsafe(self._loop.call_later, seconds, self._cut)
+        """The process is stopping: what still runs after ``seconds`` ends. Safe to call from a signal handler."""
+        if self._at is None:
+            self._at = time.monotonic() + seconds
 
     def over(self) -> bool:
         """Is the drain time over?"""
         return self._at is not None and time.monotonic() >= self._at
 
+    def seconds_left(self) -> float:
+        """Until the drain time is over (0 once it is; infinite while not stopping)."""
+        return float("inf") if self._at is None else max(0.0, self._at - time.monotonic())
+
+    def cut(self) -> None:
+        """The drain time is over, from now (a loop's timer may fire a little ahead: uvloop rounds to 1 ms): end
+        every request waiting for its next event."""
+        self._at = time.monotonic() if self._at is None else min(self._at, time.monotonic())
+        for task in list(self._waiting.values()):
+            task.cancel()
+
     async def guard(self, events: AsyncIterator[Event]) -> AsyncGenerator[Event, None]:
         """``events`` until they end or the drain time is over, whichever is first."""
-        self._loop = self._loop or asyncio.get_running_loop()
         key = object()
         while not self.over() and (task := asyncio.current_task()) is not None:
             self._waiting[key] = task  # the task consuming now: it may change between events
@@ -46,7 +52,7 @@ class Cutoff:
             except StopAsyncIteration:
                 return
             except asyncio.CancelledError:
-                if not self.over():  # the client's own hang-up, not the deadline's cut
+                if not self.over():  # the client's own hang-up, not the cut
                     raise
                 task.uncancel()
                 break
@@ -54,7 +60,3 @@ class Cutoff:
                 self._waiting.pop(key, None)
             yield event
         raise ShuttingDown("the service is shutting down; retry shortly")
-
-    def _cut(self) -> None:
-        for task in list(self._waiting.values()):
-            task.cancel()

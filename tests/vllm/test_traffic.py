@@ -164,9 +164,10 @@ def test_sigterm_drains_then_ends_each_stream_with_a_terminal_event_and_exits_le
     assert app.returncode in (0, -signal.SIGTERM), output  # uvicorn re-raises the signal once it has shut down
     # Streams end 2 s before the drain time is over; the rest is teardown, on 2 cores vLLM keeps busy.
     assert DRAIN_S - 2 <= exited <= DRAIN_S + 3, f"in flight for the drain time, no more: {exited:.1f} s\n{output}"
-    assert ends["ask"][0] == "event: error" and '"shutting_down"' in ends["ask"][1], ends
-    assert '"shutting_down"' in ends["chat"][0] and ends["chat"][1] == "data: [DONE]", ends
-    assert "Traceback" not in output and "timeout graceful shutdown exceeded" not in output, output[-3000:]
+    ask, chat = ends.get("ask", ["cut off"] * 2), ends.get("chat", ["cut off"] * 2)  # none: the body was incomplete
+    assert ask[0] == "event: error" and '"shutting_down"' in ask[1], f"{ends}\n{output}"
+    assert '"shutting_down"' in chat[0] and chat[1] == "data: [DONE]", f"{ends}\n{output}"
+    assert "Traceback" not in output and "after the drain time: cancelled" not in output, output[-3000:]
     # One line for the first, one counting the other: the log aggregates failures of one kind.
     assert output.count("503 shutting_down") == 2 and "repeated (stopped: 2 in" in output, output[-3000:]
 
