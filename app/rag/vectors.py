@@ -46,4 +46,3 @@ class QuestionVectors:
             # Here, not in a done callback: that runs a loop turn later, and a question asked in between (its
             # caller resumed by the last result) would find this encoder still counted and wait for nothing.
             self._encoders.discard(asyncio.current_task())
-
