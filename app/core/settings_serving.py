@@ -189,6 +189,8 @@ class TrafficSettings(BaseModel):
     max_queued: int = Field(0, ge=0, description="Requests waiting for a slot; one more is refused with 429 "
                             "(each place adds up to one service time to an admitted request's latency, while a "
                             "place in flight costs little more: vLLM batches it).")
+    max_retrievals: int = Field(64, ge=1, description="POST /v1/retrieve requests ranked at once, per app process "
+                                "(they take no place in vLLM's admission); one more gets 429 + Retry-After.")
     drain_s: float = Field(30.0, ge=0, description="On SIGTERM, how long requests in flight may finish before "
                            "they are cut off (their vLLM requests are aborted).")
 

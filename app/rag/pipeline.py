@@ -22,7 +22,7 @@ from app.rag.conversation import Plan, fit_conversation, new_context_per_turn
 from app.rag.index import CollectionIndex
 from app.rag.lru import AsyncLRU
 from app.rag.planner import ContextPlanner
-from app.rag.requests import ChatQuery, Conversation, Query, RequestRules
+from app.rag.requests import ChatQuery, Conversation, Lookup, Query, RequestRules
 from app.rag.retriever import Ranking
 from app.rag.seams import LLM, Ranker
 from app.vllm.prompt_ids import PromptIds
@@ -98,6 +98,16 @@ class Answer:
         return self.cited.get(chunk.id, chunk.cite_id)
 
 
+@dataclass(frozen=True)
+class Retrieved:
+    """A question's ranked hits, most relevant first, each with the stable unit it belongs to (``units``, in
+    the same order): the page, document or window a prompt shows it in, and pre-warm warms."""
+
+    hits: list[ContextChunk]
+    units: list[str]
+    retrieve_ms: float
+
+
 class Pipeline:
     def __init__(self, limits: RequestLimits, sampling: SamplingSettings, index: CollectionIndex,
                  ranker: Ranker, llm: LLM, builder: PromptBuilder, planner: ContextPlanner,
@@ -120,6 +130,16 @@ class Pipeline:
     def chat(self, chat: ChatQuery, info: Callable[[], UpstreamInfo]) -> AsyncIterator[Delta | Answer]:
         """A conversation whose prompt extends the previous turn's prompt; the same pipeline as ``/ask``."""
         return self._converse(self.rules.chat(chat), info)
+
+    async def retrieve(self, lookup: Lookup) -> Retrieved:
+        """``/v1/retrieve``: the ranking ``/ask`` would use (and share: the same cache), no prompt, no vLLM. A
+        filtered question's unit is its hit's own document (or window), as its prompt would show it."""
+        checked = self.rules.lookup(lookup)
+        assert checked.top_k is not None
+        hits = await self._retrieve_cached(checked.question, checked.top_k, checked.source_prefix)
+        paged = checked.source_prefix is None
+        units = [(await self.planner.units.unit_for(hit, paged=paged))[0] for hit in hits]
+        return Retrieved(hits, units, ms(time.perf_counter() - checked.received_at))
 
     def forget(self) -> None:
         """The collection changed: nothing retrieved or arranged before is used again."""

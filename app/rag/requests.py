@@ -42,6 +42,16 @@ class Query:
 
 
 @dataclass
+class Lookup:
+    """``POST /v1/retrieve`` as received: a question to rank, nothing to generate."""
+
+    question: str
+    top_k: int | None = None
+    source_prefix: str | None = None
+    received_at: float = field(default_factory=time.perf_counter)
+
+
+@dataclass
 class ChatQuery:
     """``POST /v1/chat/completions`` as received (the client's system prompt apart from the turns)."""
 
@@ -79,6 +89,11 @@ class RequestRules:
         question = self._question(query.question, "question")
         return Conversation((Turn("user", question),), self._top_k(query.top_k), self._max_tokens(query.max_tokens),
                             source_prefix=query.source_prefix, received_at=query.received_at)
+
+    def lookup(self, lookup: Lookup) -> Lookup:
+        """The same checks as ``/ask``'s question and ``top_k``, the default resolved."""
+        return Lookup(self._question(lookup.question, "question"), self._top_k(lookup.top_k), lookup.source_prefix,
+                      lookup.received_at)
 
     def chat(self, chat: ChatQuery) -> Conversation:
         limits = self.settings

@@ -8,11 +8,11 @@ import contextlib
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator
 
-from app.core.errors import StoreUnavailable, UpstreamUnavailable
+from app.core.errors import Overloaded, StoreUnavailable, UpstreamUnavailable
 from app.core.metrics import ServiceMetrics
-from app.rag.pipeline import Answer, Pipeline, final_answer
+from app.rag.pipeline import Answer, Pipeline, Retrieved, final_answer
 from app.rag.planner import ContextPlanner
-from app.rag.requests import ChatQuery, Query
+from app.rag.requests import ChatQuery, Lookup, Query
 from app.runtime.collection import CollectionWatcher
 from app.runtime.readiness import Readiness
 from app.runtime.traffic import LiveTraffic
@@ -25,9 +25,11 @@ log = logging.getLogger("prefixrag.service")
 
 class Service:
     def __init__(self, pipeline: Pipeline, planner: ContextPlanner, traffic: LiveTraffic, upstream: Upstream,
-                 warmer: Warmer, watcher: CollectionWatcher, metrics: ServiceMetrics) -> None:
+                 warmer: Warmer, watcher: CollectionWatcher, metrics: ServiceMetrics, max_retrievals: int = 64) -> None:
+        """``max_retrievals``: ``/v1/retrieve`` requests ranked at once (they take no place in vLLM's admission)."""
         self.pipeline, self.planner, self.traffic, self.upstream = pipeline, planner, traffic, upstream
         self.warmer, self.watcher, self.metrics = warmer, watcher, metrics
+        self.max_retrievals, self._retrievals = max_retrievals, 0
         watcher.subscribe(self.collection_changed)
 
     def readiness(self) -> Readiness:
@@ -47,6 +49,18 @@ class Service:
 
     async def chat(self, chat: ChatQuery) -> Answer:
         return await final_answer(self.chat_stream(chat))
+
+    async def retrieve(self, lookup: Lookup) -> Retrieved:
+        """``/v1/retrieve``: ranking alone, answered while vLLM is down too; beyond ``max_retrievals`` at once,
+        ``Overloaded`` at once (the ranking queue is not allowed to grow without bound)."""
+        if self._retrievals >= self.max_retrievals:
+            raise Overloaded(f"{self.max_retrievals} retrievals are running, the limit; retry shortly",
+                             retry_after_s=1)
+        self._retrievals += 1
+        try:
+            return await self.pipeline.retrieve(lookup)
+        finally:
+            self._retrievals -= 1
 
     async def _admitted(self, events: AsyncIterator[Delta | Answer]) -> AsyncGenerator[Delta | Answer, None]:
         """Admission (a slot, or 429 at once) around the whole request, and vLLM's health watched. Once a stop's

@@ -157,7 +157,8 @@ def assemble(clients: Clients, settings: Settings, metrics: ServiceMetrics) -> S
     watcher = CollectionWatcher(clients.index, clients.ranker)
     if isinstance(clients.ranker, RetrievalPool):
         watcher.subscribe(clients.ranker.collection_changed)
-    service = Service(pipeline, planner, traffic, clients.upstream, warmer, watcher, metrics)
+    service = Service(pipeline, planner, traffic, clients.upstream, warmer, watcher, metrics,
+                      settings.traffic.max_retrievals)
     return Services(clients, metrics, builder, estimator, planner, traffic, pipeline, warmer, watcher, service, queue)
 
 

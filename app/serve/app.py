@@ -73,11 +73,12 @@ def create_app(settings: Settings | None = None, *, embedder: Embedder | None = 
         # headers for the calling page to read it, Retry-After and the request id included.
         app.add_middleware(CORSMiddleware, allow_origins=settings.service.cors_origins, allow_methods=["GET", "POST"],
                            allow_headers=["*"], expose_headers=["X-Request-ID", "Retry-After"], max_age=600)
-    from app.serve.routers import ask, health, openai_chat, openai_completions, page
+    from app.serve.routers import ask, health, openai_chat, openai_completions, page, retrieve
 
     app.include_router(health.router)
     app.include_router(ask.router)
     app.include_router(openai_chat.router)
     app.include_router(openai_completions.router)
+    app.include_router(retrieve.router)
     app.include_router(page.router)
     return app
