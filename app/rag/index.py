@@ -8,7 +8,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import threading
 import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -23,6 +25,7 @@ from app.rag.seams import Embedder
 
 T = TypeVar("T")
 SOURCES_TTL_S = 60.0  # how long the list of sources (for prefix filters) is reused
+ROWS_KEPT = 8192  # chunks whose text and metadata ``read`` keeps: a hot chunk is read from Chroma once
 PAGE = 500  # rows per read: one read holds the GIL for tens of ms at most, then a user's request may run
 # Inside background work (pre-warm), how it waits for users to be gone: its store reads then wait for that and
 # use a thread of their own, never the ones that embed and query for users.
@@ -43,6 +46,8 @@ class CollectionIndex:
         self._sources: tuple[float, list[str]] = (0.0, [])
         # Indexes derived from the collection as opened (BM25, pages), each loaded or being built.
         self._derived: dict[str, Future[Any]] = {}
+        self._rows: OrderedDict[str, tuple[str, dict[str, Any]]] = OrderedDict()  # ``read``'s, as of ``_opened``
+        self._rows_lock, self._opened = threading.Lock(), 0  # reads run on several threads; reopen bumps _opened
 
     def close(self) -> None:
         self.background_executor.shutdown(wait=False, cancel_futures=True)
@@ -79,6 +84,9 @@ class CollectionIndex:
         if not self.chroma.url:
             forget_clients()
         self._collection, self._sources, self._derived = None, (0.0, []), {}
+        with self._rows_lock:
+            self._rows.clear()
+            self._opened += 1
 
     async def count(self) -> int:
         """Chunks in the collection (cheap: no documents are read)."""
@@ -154,13 +162,29 @@ class CollectionIndex:
         rows = self.read(ids) if rows is None else rows
         return [to_chunk(i, *rows[i], score, rank) for rank, (i, score) in enumerate(zip(ids, scores)) if i in rows]
 
-    def read(self, ids: list[str]) -> dict[str, tuple[str, dict[str, Any]]]:
-        """Text and metadata of these chunks, by id, in one Chroma read."""
-        if not ids:
-            return {}
+    def read(self, ids: list[str], present: set[str] | frozenset[str] = frozenset()
+             ) -> dict[str, tuple[str, dict[str, Any]]]:
+        """Text and metadata of these chunks, by id, in one Chroma read; ``present``: ids Chroma itself has just
+        returned (a query's), whose rows are taken from memory when read before. A chunk's id carries its
+        content's hash and a reopen forgets every row, so a kept row is never stale; an id only BM25 found is
+        always read (deleted since BM25 was built, it is left out)."""
+        with self._rows_lock:
+            kept = {i: self._rows[i] for i in ids if i in present and i in self._rows}
+            for i in kept:
+                self._rows.move_to_end(i)
+            opened = self._opened
+        missing = [i for i in ids if i not in kept]
+        if not missing:
+            return kept
         with chroma_errors("read"):
-            page = self.collection.get(ids=ids, include=["documents", "metadatas"])
-        return {i: (text, meta) for i, text, meta in zip(page["ids"], page["documents"], page["metadatas"])}
+            page = self.collection.get(ids=missing, include=["documents", "metadatas"])
+        fresh = {i: (text, meta) for i, text, meta in zip(page["ids"], page["documents"], page["metadatas"])}
+        with self._rows_lock:
+            if opened == self._opened:  # not reopened meanwhile: what was read is still the collection's
+                self._rows.update(fresh)
+                while len(self._rows) > ROWS_KEPT:
+                    self._rows.popitem(last=False)
+        return kept | fresh
 
     def sources(self) -> list[str]:
         """Every source in the collection (read page by page, reused for ``SOURCES_TTL_S``)."""

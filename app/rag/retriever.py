@@ -92,7 +92,8 @@ class Retriever:
         fused = [reciprocal_rank_fusion([ids, [i for i, _ in lexical.search(one.question, one.depth, one.sources)]],
                                         self.retrieval.rrf_k)[:one.k] if one.sources != set() else []
                  for one, ids in zip(asked, dense, strict=True)]
-        rows = self.index.read(list({i for ranked in fused for i, _ in ranked}))  # deleted since: gone
+        rows = self.index.read(list({i for ranked in fused for i, _ in ranked}),  # deleted since: gone
+                               {i for ids in dense for i in ids})
         return [Ranking([replace(chunk, rank=rank) for rank, chunk in enumerate(self.index.chunks(
                     [i for i, _ in ranked], [score for _, score in ranked], rows))]) for ranked in fused]
 

@@ -204,3 +204,36 @@ def test_a_question_asked_as_the_encoder_finishes_its_last_batch_is_encoded(embe
 
     first, second = asyncio.run(asyncio.wait_for(one_after_another(), 10))
     assert len(first) == len(second) == embedder.dimension and first != second
+
+
+def test_a_chunk_chroma_just_returned_is_read_from_it_once_until_the_collection_is_reopened(tmp_path, embedder,
+                                                                                          monkeypatch):
+    """The hot path reads no text it read before: rows of ids the dense query has just returned come from memory;
+    an id BM25 alone found is read each time, and a reopen (an ingest changed the collection) forgets them all."""
+    from ingest.pipeline import run_ingest
+    from tests.support.env import ROOT
+
+    settings = app_settings(tmp_path / "chroma", "http://unused/v1", collection="docs")
+    settings.retrieval.candidates = 3  # each ranking's top 3 only: the fused top 3 holds one BM25 alone found
+    run_ingest([ROOT / "examples" / "docs"], settings, embedder)
+    retriever = Retriever.over(embedder, settings.chroma, ThreadPoolExecutor(1), settings.retrieval)
+    retriever.index.lexical_index(wait=True)
+    read: list[list[str]] = []
+
+    def counted(collection):
+        get = collection.get
+        monkeypatch.setattr(collection, "get", lambda ids, **kw: read.append(sorted(ids)) or get(ids=ids, **kw))
+
+    counted(retriever.index.collection)
+    question = "What is vLLM?"
+    first = [c.id for c in retriever.retrieve_sync(question, 3, mode="hybrid")]
+    again = [c.id for c in retriever.retrieve_sync(question, 3, mode="hybrid")]
+    dense = {c.id for c in retriever.retrieve_sync(question, 3, mode="dense")}
+    assert set(first) - dense, "the premise: BM25 alone found one of them"
+    assert first == again and read == [sorted(first), sorted(set(first) - dense)]  # BM25's alone: read again
+    retriever.index.reopen()
+    retriever.index.lexical_index(wait=True)
+    counted(retriever.index.collection)
+    assert [c.id for c in retriever.retrieve_sync(question, 3, mode="hybrid")] == first
+    assert read[2:] == [sorted(first)]
+    retriever.index.close()
