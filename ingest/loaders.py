@@ -8,12 +8,14 @@ import re
 from pathlib import Path
 from typing import Any
 
+from app.core.records import DOCUMENT_SUFFIXES
 from ingest.documents import LoadError, SourceDocument, sections_from_blocks
 from ingest.html import html_to_blocks
 
 TEXT_EXTENSIONS = {".md": "markdown", ".markdown": "markdown", ".txt": "text", ".rst": "text"}
 HTML_EXTENSIONS = {".html", ".htm"}
 SUPPORTED = set(TEXT_EXTENSIONS) | HTML_EXTENSIONS | {".pdf", ".jsonl"}
+assert SUPPORTED == set(DOCUMENT_SUFFIXES), "the kernel's list is what the service accepts as uploads"
 ID_FIELDS = ("id", "passage_id", "_id")
 PARENT_FIELDS = ("doc_id", "context_id", "title")
 _MD_HEADING = re.compile(r"^(#{1,6})\s+(.+?)\s*#*\s*$")

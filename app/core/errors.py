@@ -34,6 +34,10 @@ class NotFound(ServiceError):
     status, type, code = 404, "invalid_request_error", "not_found"
 
 
+class UnsupportedMediaType(ServiceError):
+    status, type, code = 415, "invalid_request_error", "unsupported_media_type"
+
+
 class UpstreamUnavailable(ServiceError):
     """vLLM cannot be reached; the client should retry later."""
 

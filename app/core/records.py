@@ -6,6 +6,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+# The file types ingest reads (``ingest.loaders``); the service checks an upload's type against them.
+DOCUMENT_SUFFIXES = (".md", ".markdown", ".txt", ".rst", ".html", ".htm", ".pdf", ".jsonl")
+
 
 @dataclass(frozen=True, slots=True)
 class ChunkRecord:

@@ -213,6 +213,8 @@ class ServiceSettings(BaseModel):
                                  "their end said (s; 0: every one logged).")
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024, description="Largest request body accepted (413 above "
                                 "it); checked while the body streams in, after authentication.")
+    max_upload_bytes: int = Field(64 * 1024 * 1024, ge=1024, description="Largest upload to POST /v1/documents "
+                                  "(413 above it, before anything is stored); checked like max_body_bytes.")
     prompts_dir: Path = Field(Path(__file__).resolve().parents[2] / "prompts", description="Prompt templates.")
     model_id: str = Field("prefixrag", description="Model id the OpenAI-compatible API lists.")
     append_sources: bool = Field(False, description="Append a 'Sources:' list to chat answers for text-only UIs.")

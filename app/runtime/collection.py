@@ -22,6 +22,8 @@ class CollectionWatcher:
         self.index, self.ranker = index, ranker
         self.problem: str | None = "collection not checked yet"  # why it cannot answer now (None: it can)
         self._subscribers: list[Callable[[bool], Awaitable[None]]] = []
+        self._seen: object = _UNSEEN  # the stamp last acted on; the first look only records what start-up loaded
+        self._looking = asyncio.Lock()  # the poll and a write of this process's own never look at once
 
     def subscribe(self, changed: Callable[[bool], Awaitable[None]]) -> None:
         """``await changed(rewarm)`` each time an ingest changed the collection (``rewarm``: it still exists)."""
@@ -30,15 +32,20 @@ class CollectionWatcher:
     async def run_forever(self, interval_s: float) -> None:
         """Poll the generation stamp; when an ingest changed it, call ``changed(rewarm)`` (the service drops
         everything cached of it: Chroma's embedded state, retrievals, units, the corpus, and re-warms)."""
-        seen: object = _UNSEEN  # the first look only records what start-up already loaded
         while True:
             try:
-                seen = await self._look(seen)
+                await self.check_now()
             except ServiceError as exc:
                 if self.problem != exc.message:  # once per state change
                     log.warning("cannot check the collection for changes: %s", exc.message)
                 self.problem = exc.message
             await asyncio.sleep(interval_s)
+
+    async def check_now(self) -> None:
+        """Look at the stamp now and act on a change (a write of this process's own: an upload, a deletion),
+        returning once the service has reloaded: nothing cached from before is used after this."""
+        async with self._looking:
+            self._seen = await self._look(self._seen)
 
     async def _look(self, seen: object) -> str | None:
         name = self.index.chroma.collection

@@ -23,6 +23,7 @@ from app.rag.retriever import Retriever
 from app.rag.seams import Embedder, Ranker
 from app.runtime.capacity import EngineQueue
 from app.runtime.collection import CollectionWatcher
+from app.runtime.documents import Documents
 from app.runtime.retrieval_pool import RetrievalPool, WorkerConfig
 from app.runtime.service import Service
 from app.runtime.traffic import AutoLimit, LiveTraffic
@@ -64,6 +65,7 @@ class Services:
     watcher: CollectionWatcher
     service: Service
     engine_queue: EngineQueue | None  # reads vLLM's queue for max_in_flight=auto
+    documents: Documents  # uploads (ingest jobs) and deletions over HTTP
 
     @property
     def settings(self) -> Settings:
@@ -92,6 +94,7 @@ class Services:
 
     async def aclose(self) -> None:
         clients = self.clients
+        await self.documents.aclose()
         self.planner.close()
         clients.prompt_ids.close()
         clients.traces.close()
@@ -159,7 +162,9 @@ def assemble(clients: Clients, settings: Settings, metrics: ServiceMetrics) -> S
         watcher.subscribe(clients.ranker.collection_changed)
     service = Service(pipeline, planner, traffic, clients.upstream, warmer, watcher, metrics,
                       settings.traffic.max_retrievals)
-    return Services(clients, metrics, builder, estimator, planner, traffic, pipeline, warmer, watcher, service, queue)
+    documents = Documents(settings, clients.index, watcher.check_now)
+    return Services(clients, metrics, builder, estimator, planner, traffic, pipeline, warmer, watcher, service, queue,
+                    documents)
 
 
 def admission(limits: TrafficSettings) -> LiveTraffic:

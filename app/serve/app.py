@@ -64,7 +64,8 @@ def create_app(settings: Settings | None = None, *, embedder: Embedder | None = 
     app = FastAPI(title="prefixrag", version="0.1.0", lifespan=lifespan,
                   description="Retrieval-augmented answers from vLLM, with prompts built for prefix-cache hits.")
     install_error_handlers(app)
-    app.add_middleware(RequestEdge, max_body_bytes=settings.service.max_body_bytes, api_key=settings.service.api_key)
+    app.add_middleware(RequestEdge, max_body_bytes=settings.service.max_body_bytes,
+                       max_upload_bytes=settings.service.max_upload_bytes, api_key=settings.service.api_key)
     observe(app, metrics)
     if settings.service.cors_origins:
         from starlette.middleware.cors import CORSMiddleware
@@ -73,12 +74,13 @@ def create_app(settings: Settings | None = None, *, embedder: Embedder | None = 
         # headers for the calling page to read it, Retry-After and the request id included.
         app.add_middleware(CORSMiddleware, allow_origins=settings.service.cors_origins, allow_methods=["GET", "POST"],
                            allow_headers=["*"], expose_headers=["X-Request-ID", "Retry-After"], max_age=600)
-    from app.serve.routers import ask, health, openai_chat, openai_completions, page, retrieve
+    from app.serve.routers import ask, documents, health, openai_chat, openai_completions, page, retrieve
 
     app.include_router(health.router)
     app.include_router(ask.router)
     app.include_router(openai_chat.router)
     app.include_router(openai_completions.router)
     app.include_router(retrieve.router)
+    app.include_router(documents.router)
     app.include_router(page.router)
     return app

@@ -12,6 +12,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from app.core.errors import Unauthorized
 from app.core.metrics import ServiceMetrics
 from app.core.settings import Settings
+from app.runtime.documents import Documents
 from app.runtime.service import Service
 from app.serve.edge import key_matches
 
@@ -26,6 +27,11 @@ async def get_service(request: Request) -> Service:
     return service
 
 
+async def get_documents(request: Request) -> Documents:
+    documents: Documents = request.app.state.services.documents
+    return documents
+
+
 async def get_metrics(request: Request) -> ServiceMetrics:
     metrics: ServiceMetrics = request.app.state.metrics
     return metrics
@@ -34,6 +40,7 @@ async def get_metrics(request: Request) -> ServiceMetrics:
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 ServiceDep = Annotated[Service, Depends(get_service)]
 MetricsDep = Annotated[ServiceMetrics, Depends(get_metrics)]
+DocumentsDep = Annotated[Documents, Depends(get_documents)]
 
 
 # In the OpenAPI schema as the bearer scheme; absent or not "Bearer" gives None, and the check below answers 401

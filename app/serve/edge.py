@@ -21,6 +21,7 @@ from app.serve.protocol import error_body
 
 BODYLESS = frozenset({"GET", "HEAD", "OPTIONS", "DELETE"})
 ADMITTED = frozenset({"/ask", "/v1/chat/completions", "/v1/completions"})  # the routes that take a place of admission
+UPLOADS = "/v1/documents"  # its bodies are files: their own limit
 
 
 def key_matches(token: str, expected: str) -> bool:
@@ -39,8 +40,8 @@ def unauthorized() -> JSONResponse:
                         status_code=401, headers={"WWW-Authenticate": "Bearer"})
 
 
-def too_large(limit: int) -> HTTPException:
-    return HTTPException(413, f"request body over the limit of {limit} bytes (PREFIXRAG_SERVICE__MAX_BODY_BYTES)")
+def too_large(limit: int, setting: str) -> HTTPException:
+    return HTTPException(413, f"request body over the limit of {limit} bytes (PREFIXRAG_SERVICE__{setting.upper()})")
 
 
 def overloaded(scope: Scope) -> Overloaded | None:
@@ -50,8 +51,9 @@ def overloaded(scope: Scope) -> Overloaded | None:
 
 
 class RequestEdge:
-    def __init__(self, app: ASGIApp, *, max_body_bytes: int, api_key: str | None) -> None:
-        self.app, self.max_body_bytes, self.api_key = app, max_body_bytes, api_key
+    def __init__(self, app: ASGIApp, *, max_body_bytes: int, max_upload_bytes: int, api_key: str | None) -> None:
+        self.app, self.api_key = app, api_key
+        self.limits = {"max_body_bytes": max_body_bytes, "max_upload_bytes": max_upload_bytes}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] in BODYLESS:
@@ -61,9 +63,10 @@ class RequestEdge:
         if self.api_key and not bearer_ok(headers.get("authorization", ""), self.api_key):
             await unauthorized()(scope, receive, send)  # the body is never read
             return
+        setting = "max_upload_bytes" if scope["path"] == UPLOADS else "max_body_bytes"
         declared = headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > self.max_body_bytes:
-            await self._refuse(scope, receive, send)
+        if declared.isdigit() and int(declared) > self.limits[setting]:
+            await self._refuse(scope, receive, send, setting)
             return
         if scope["path"] in ADMITTED:
             client = scope.get("client")
@@ -71,23 +74,23 @@ class RequestEdge:
             if (refused := overloaded(scope)) is not None:
                 await error_response(refused)(scope, receive, send)
                 return
-        await self.app(scope, self._counted(receive), send)
+        await self.app(scope, self._counted(receive, setting), send)
 
-    def _counted(self, receive: Receive) -> Receive:
-        seen = 0
+    def _counted(self, receive: Receive, setting: str) -> Receive:
+        seen, limit = 0, self.limits[setting]
 
         async def counted() -> Message:
             nonlocal seen
             message = await receive()
             seen += len(message.get("body", b""))
-            if seen > self.max_body_bytes:  # a chunked body that says nothing of its size
-                raise too_large(self.max_body_bytes)  # FastAPI re-raises HTTPException from body reading
+            if seen > limit:  # a chunked body that says nothing of its size
+                raise too_large(limit, setting)  # FastAPI re-raises HTTPException from body reading
             return message
 
         return counted
 
-    async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
-        exc = too_large(self.max_body_bytes)
+    async def _refuse(self, scope: Scope, receive: Receive, send: Send, setting: str) -> None:
+        exc = too_large(self.limits[setting], setting)
         response = JSONResponse(error_body(exc.detail, "invalid_request_error", None, "request_too_large"),
                                 status_code=413, headers={"Connection": "close"})
         await response(scope, receive, send)

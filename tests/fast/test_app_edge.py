@@ -64,7 +64,8 @@ def test_the_api_key_is_a_bearer_scheme_in_the_openapi_schema_and_is_enforced(no
     assert schema["components"]["securitySchemes"]["HTTPBearer"] == {
         "type": "http", "scheme": "bearer", "description": "PREFIXRAG_API_KEY, when the service is started with one."}
     for path, method in (("/ask", "post"), ("/v1/retrieve", "post"), ("/v1/chat/completions", "post"),
-                         ("/v1/models", "get"), ("/metrics", "get")):
+                         ("/v1/documents", "post"), ("/v1/documents", "get"), ("/v1/models", "get"),
+                         ("/metrics", "get")):
         assert schema["paths"][path][method]["security"] == [{"HTTPBearer": []}], path
         assert "401" in schema["paths"][path][method]["responses"], path  # documented where it can happen
     assert "security" not in schema["paths"]["/healthz"]["get"]

@@ -1,0 +1,182 @@
+"""Documents over HTTP: uploads ingested as jobs by ``python -m ingest`` itself, in a child process (the CLI's
+pipeline, ids, write lock and crash safety; the service never imports ingest), deletions, and what the
+collection holds. Jobs run one at a time, in order, so two uploads to one collection both land; a job is
+``done`` only once the service has reloaded the collection (an uploaded document is answerable then, a deleted
+one never cited again once its ``DELETE`` returned). Jobs live in memory: one queued or running when the service
+stops is lost (upload again; what it had finished is stored)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import shutil
+import sys
+import tempfile
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
+from typing import Any, BinaryIO, Literal
+
+from app.core import lexical, pages
+from app.core.errors import BadRequest, NotFound, UnsupportedMediaType
+from app.core.records import DOCUMENT_SUFFIXES
+from app.core.settings import Settings
+from app.core.settings_names import LEGACY, PREFIX
+from app.core.store import mark_changed, stored_documents, write_lock
+from app.rag.index import CollectionIndex, chroma_errors
+
+log = logging.getLogger("prefixrag.documents")
+JOBS_KEPT = 256  # finished jobs whose status can still be read
+CHILD_SECTIONS = ("chroma", "embedding", "chunking", "pages", "ingest")  # what ingest reads of the settings
+
+
+@dataclass
+class Job:
+    """An upload being ingested: its files, its state, and ingest's own summary once it ended."""
+
+    id: str
+    files: list[str]
+    status: Literal["queued", "running", "done", "failed"] = "queued"
+    created_at: float = field(default_factory=time.time)
+    finished_at: float | None = None
+    report: dict[str, Any] | None = None  # ``python -m ingest --json``'s summary (failed files listed there)
+    error: str | None = None
+
+
+class Documents:
+    def __init__(self, settings: Settings, index: CollectionIndex, changed: Callable[[], Awaitable[None]]) -> None:
+        """``changed``: makes the service see the collection as it is now (reload, forget, re-warm) and returns
+        when it does."""
+        self.settings, self.index, self.changed = settings, index, changed
+        self._jobs: OrderedDict[str, Job] = OrderedDict()
+        self._queue: asyncio.Queue[tuple[Job, Path]] = asyncio.Queue()
+        self._runner: asyncio.Task[None] | None = None
+        self._writing = asyncio.Lock()  # jobs and deletions of this process, one at a time
+
+    async def submit(self, files: list[tuple[str, BinaryIO]]) -> Job:
+        """Queue an upload of ``(name, content)`` pairs; every name is checked before anything is stored."""
+        names = [checked_name(name) for name, _ in files]
+        if not names:
+            raise BadRequest("no files in the upload", param="files", code="no_files")
+        folder = Path(tempfile.mkdtemp(prefix="prefixrag-upload-"))
+        await asyncio.to_thread(_stage, folder, [(name, content) for name, (_, content) in zip(names, files,
+                                                                                            strict=True)])
+        job = Job(uuid.uuid4().hex, names)
+        self._jobs[job.id] = job
+        while len(self._jobs) > JOBS_KEPT and (oldest := next(iter(self._jobs.values()))).finished_at is not None:
+            self._jobs.pop(oldest.id)
+        self._queue.put_nowait((job, folder))
+        if self._runner is None:
+            self._runner = asyncio.create_task(self._run_jobs(), name="document-jobs")
+        return job
+
+    def job(self, job_id: str) -> Job:
+        if (job := self._jobs.get(job_id)) is None:
+            raise NotFound(f"no job {job_id!r} (finished jobs are kept while {JOBS_KEPT} newer ones are not)",
+                           param="job_id", code="job_not_found")
+        return job
+
+    async def listed(self) -> list[dict[str, Any]]:
+        """Every document the collection holds: id, source file, content hash, chunks (complete or not)."""
+        held = await self.index.run(lambda: stored_documents(self.index.collection))
+        return [{"id": doc_id, "source": entry.source, "hash": entry.doc_hash, "chunks": len(entry.ids),
+                 "complete": entry.complete} for doc_id, entry in sorted(held.items())]
+
+    async def delete(self, doc_id: str) -> int:
+        """Delete a document's chunks under the writers' lock and reload before returning: its chunk count."""
+        async with self._writing:
+            deleted = await self.index.run(self._delete, doc_id)
+            await self.changed()
+        return deleted
+
+    def _delete(self, doc_id: str) -> int:
+        chroma = self.settings.chroma
+        with write_lock(chroma, self.settings.ingest.lock_timeout_s):
+            with chroma_errors("delete"):
+                collection = self.index.collection
+                ids = collection.get(where={"doc_id": doc_id}, include=[])["ids"]
+                if ids:
+                    collection.delete(ids=ids)
+                    mark_changed(collection)
+                    # Saved again as ingest does at its end: every process loads them, none rebuilds its own.
+                    lexical.current(collection, chroma, write=True)
+                    pages.current(collection, chroma, self.settings.pages, write=True)
+        if not ids:
+            raise NotFound(f"no document {doc_id!r} in the collection", param="doc_id", code="document_not_found")
+        return len(ids)
+
+    async def aclose(self) -> None:
+        if self._runner is not None:
+            self._runner.cancel()
+            await asyncio.gather(self._runner, return_exceptions=True)
+
+    async def _run_jobs(self) -> None:
+        while True:
+            job, folder = await self._queue.get()
+            try:
+                async with self._writing:
+                    await self._ingest(job, folder)
+            except Exception as exc:  # the next job still runs
+                job.status, job.error = "failed", f"{type(exc).__name__}: {exc}"
+                log.exception("upload job %s failed", job.id)
+            finally:
+                shutil.rmtree(folder, ignore_errors=True)
+                job.finished_at = job.finished_at or time.time()
+
+    async def _ingest(self, job: Job, folder: Path) -> None:
+        job.status = "running"
+        child = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "ingest", str(folder), "--json", env=self._child_env(),
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        try:
+            out, err = await child.communicate()
+        except asyncio.CancelledError:  # the service stops: the job is lost (its files with it), not left writing
+            child.terminate()  # ingest ends a run on SIGTERM with its finished files stored
+            await child.wait()
+            raise
+        summary = out.decode(errors="replace").strip().splitlines()
+        if child.returncode in (0, 1) and summary:  # 1: some files failed, reported, the rest ingested
+            job.report = json.loads(summary[-1])
+            await self.changed()
+            job.status = "done"
+        else:
+            job.status = "failed"
+            job.error = (err.decode(errors="replace").strip().splitlines() or ["ingest failed"])[-1]
+            log.warning("upload job %s failed: %s", job.id, job.error)
+        job.finished_at = time.time()
+
+    def _child_env(self) -> dict[str, str]:
+        """This process's environment, its settings of what ingest reads in place of any ``PREFIXRAG_`` (or
+        legacy ``RAG_``) value."""
+        env = {name: value for name, value in os.environ.items() if not name.startswith((PREFIX, LEGACY))}
+        for section in CHILD_SECTIONS:
+            for name, value in getattr(self.settings, section).model_dump(mode="json").items():
+                if value is not None:
+                    text = json.dumps(value) if isinstance(value, (list, dict)) else str(value)
+                    env[f"{PREFIX}{section.upper()}__{name.upper()}"] = text
+        return env
+
+
+def _stage(folder: Path, files: list[tuple[str, BinaryIO]]) -> None:
+    for name, content in files:
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        with open(folder / name, "wb") as staged:
+            shutil.copyfileobj(content, staged)
+
+
+def checked_name(name: str) -> str:
+    """An uploaded file's name as ingest will see it (its document id): a relative path, no ``..``, a type ingest
+    reads."""
+    path = PurePosixPath(name.replace("\\", "/"))
+    if not name or path.is_absolute() or ".." in path.parts or not path.name:
+        raise BadRequest(f"file name {name!r}: give a relative path without '..'", param="files",
+                         code="invalid_file_name")
+    if path.suffix.lower() not in DOCUMENT_SUFFIXES:
+        raise UnsupportedMediaType(f"file {name!r}: the types ingest reads are {' '.join(DOCUMENT_SUFFIXES)}",
+                                   param="files", code="unsupported_file_type")
+    return str(path)

@@ -1,0 +1,86 @@
+"""The fast tier, documents over HTTP: uploads ingested by ``python -m ingest`` in a child process as jobs (a bad
+file reported, the rest ingested; two at once both land), the documents listed, one deleted and never cited
+again, bad uploads refused before anything is stored. Real on-disk Chroma, the real embedder and ingest; the
+fake vLLM at its seam."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+
+from app.serve.app import create_app
+from ingest.pipeline import run_ingest
+from tests.support.corpora import app_settings, write_notes
+from tests.support.fake_app import ask
+from tests.support.fakes import FakeVLLM
+from tests.support.servers import AppServer
+
+HARBOUR = "The harbour of Velmora was dredged in 1911 so that steamers of the Aurel line could dock at night."
+GLACIER = "The Oskar glacier lost forty metres of ice in the summer of 2003, the survey of Brennholt recorded."
+
+
+def upload(server, *files: tuple[str, bytes]) -> httpx.Response:
+    return httpx.post(server.url + "/v1/documents", files=[("files", file) for file in files], timeout=60)
+
+
+def finished(server, response: httpx.Response) -> dict:
+    assert response.status_code == 202, response.text
+    location = response.headers["location"]
+    deadline = time.monotonic() + 180
+    while (job := httpx.get(server.url + location, timeout=10).json())["status"] in ("queued", "running"):
+        assert time.monotonic() < deadline, job
+        time.sleep(0.2)
+    return job
+
+
+def cited(server, question: str) -> set[str]:
+    answer = ask(server, question=question, top_k=3)
+    assert answer.status_code == 200, answer.text
+    return {source["document"] for source in answer.json()["sources"]}
+
+
+def test_uploaded_documents_are_answered_from_when_done_and_never_cited_once_deleted(tmp_path, embedder):
+    settings = app_settings(tmp_path / "chroma", "http://unused/v1", collection="uploads", hotness_dir=None)
+    write_notes(tmp_path / "docs")
+    run_ingest([tmp_path / "docs"], settings, embedder)
+    with AppServer(create_app(settings, embedder=embedder, llm=FakeVLLM())) as server:
+        server.wait_ready()
+        first = finished(server, upload(server, ("ports/harbour.md", f"# Velmora\n\n{HARBOUR}\n".encode()),
+                                        ("broken.pdf", b"%PDF-1.4 not really a pdf")))
+        with ThreadPoolExecutor(2) as pool:  # two uploads at once: one job after the other, both land
+            both = list(pool.map(lambda f: finished(server, upload(server, f)),
+                                 [("glacier.txt", GLACIER.encode()), ("again.md", b"# Again\n\nA second upload.\n")]))
+        before = cited(server, "When was the harbour of Velmora dredged?")  # its ranking now remembered
+        listed = {d["id"]: d for d in httpx.get(server.url + "/v1/documents", timeout=30).json()["data"]}
+        deleted = httpx.delete(server.url + "/v1/documents/ports/harbour.md", timeout=60)
+        after = cited(server, "When was the harbour of Velmora dredged?")
+        gone = httpx.delete(server.url + "/v1/documents/ports/harbour.md", timeout=60)
+        remaining = {d["id"] for d in httpx.get(server.url + "/v1/documents", timeout=30).json()["data"]}
+    assert first["status"] == "done" and first["files"] == ["ports/harbour.md", "broken.pdf"]
+    assert [f["path"] for f in first["report"]["failed"]] == ["broken.pdf"]  # reported, the other ingested
+    assert "ports/harbour.md" in before
+    assert [job["status"] for job in both] == ["done", "done"]
+    assert listed["ports/harbour.md"]["complete"] and listed["ports/harbour.md"]["chunks"] >= 1
+    assert {"glacier.txt", "again.md", "para-000"} <= set(listed)
+    assert deleted.status_code == 200 and deleted.json()["chunks"] == listed["ports/harbour.md"]["chunks"]
+    assert "ports/harbour.md" not in after and "ports/harbour.md" not in remaining
+    assert gone.status_code == 404 and gone.json()["error"]["code"] == "document_not_found"
+
+
+def test_a_bad_upload_is_refused_before_anything_is_stored(tmp_path, embedder):
+    settings = app_settings(tmp_path / "chroma", "http://unused/v1", collection="uploads", hotness_dir=None)
+    settings.service.max_upload_bytes = 4096
+    write_notes(tmp_path / "docs")
+    run_ingest([tmp_path / "docs"], settings, embedder)
+    with AppServer(create_app(settings, embedder=embedder, llm=FakeVLLM())) as server:
+        server.wait_ready()
+        refused = [upload(server, ("tool.exe", b"MZ"), ("fine.md", b"# Fine\n")),
+                   upload(server, ("../escape.md", b"# Out\n")),
+                   upload(server, ("big.md", b"# Big\n" + b"word " * 2000)),
+                   httpx.get(server.url + "/v1/jobs/nope", timeout=10)]
+        listed = {d["id"] for d in httpx.get(server.url + "/v1/documents", timeout=30).json()["data"]}
+    assert [r.status_code for r in refused] == [415, 400, 413, 404]
+    assert ".md" in refused[0].json()["error"]["message"] and refused[0].json()["error"]["param"] == "files"
+    assert not {"fine.md", "escape.md", "big.md"} & listed
