@@ -12,7 +12,8 @@ from typing import Any
 
 from langchain_text_splitters import RecursiveCharacterTextSplitter
 
-from ingest.documents import Section, SourceDocument, sha256
+from app.core.records import sha256
+from ingest.documents import Section, SourceDocument
 
 SEPARATORS = ["\n\n", "\n", ". ", "? ", "! ", "; ", ", ", " ", ""]
 

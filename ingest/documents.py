@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass, field
 
 
@@ -48,11 +47,3 @@ def sections_from_blocks(blocks: list[tuple[tuple[str, ...], str, int | None]]) 
         sections.append(Section(text=text, start=offset, headings=headings, page=page))
         offset += len(text)
     return sections
-
-
-def sha256(*parts: str) -> str:
-    digest = hashlib.sha256()
-    for part in parts:
-        digest.update(part.encode("utf-8"))
-        digest.update(b"\x1f")  # unit separator: ("ab","c") and ("a","bc") hash apart
-    return digest.hexdigest()

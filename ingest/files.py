@@ -9,9 +9,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from app.core.records import file_hash
 from app.core.settings import Settings
 from ingest.chunking import Chunk
-from ingest.documents import LoadError, SourceDocument, sha256
+from ingest.documents import LoadError, SourceDocument
 from ingest.loaders import is_supported, load_file
 
 
@@ -69,7 +70,7 @@ def load(path: Path, rel: str, settings: Settings, identity: str, stored_by_sour
         if size_mb > settings.ingest.max_file_mb:
             raise LoadError(f"too large: {size_mb:.1f} MB > limit {settings.ingest.max_file_mb:g} MB")
         raw = path.read_bytes()
-        result.file_hash = sha256(hashlib.sha256(raw).hexdigest(), identity)
+        result.file_hash = file_hash(hashlib.sha256(raw).hexdigest(), identity)
         known = stored_by_source.get(rel, [])
         if known and all(doc.file_hash == result.file_hash and doc.complete for doc in known):
             result.skipped_unchanged = True  # an unchanged file costs one hash, not a parse

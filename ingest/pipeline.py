@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from app.core import lexical, pages
+from app.core.records import pipeline_identity, sha256
 from app.core.settings import Settings
 from app.core.store import (
     CollectionMissing,
@@ -29,7 +30,7 @@ from app.core.store import (
     write_lock,
 )
 from ingest.chunking import Chunker
-from ingest.documents import SourceDocument, sha256
+from ingest.documents import SourceDocument
 from ingest.files import FileResult, discover, load
 from ingest.report import IngestReport, Progress
 from ingest.writer import ChunkWriter
@@ -39,12 +40,6 @@ def chunker_for(settings: Settings, embedder: Any) -> Chunker:
     # Its own tokenizer copy: chunking runs on a worker thread while the encoder tokenizes on the caller's.
     return Chunker(copy.deepcopy(embedder.tokenizer), settings.chunking.size, settings.chunking.overlap,
                    embedder.max_tokens)
-
-
-def pipeline_identity(settings: Settings, embedder_name: str) -> str:
-    # Chunking parameters and the encoder are part of every hash: changing them re-chunks everything.
-    c = settings.chunking
-    return f"{c.size}/{c.overlap}/{c.parent_field}/{embedder_name}"
 
 
 def document_hash(document: SourceDocument, identity: str) -> str:
@@ -71,7 +66,8 @@ def run_ingest(roots: list[Path], settings: Settings, embedder: Any, *, prune: b
         for doc_id, entry in stored.items():
             by_source.setdefault(entry.source, []).append(entry)
             ids_by_source.setdefault(entry.source, []).append(doc_id)
-        identity = pipeline_identity(settings, embedder.name)
+        c = settings.chunking
+        identity = pipeline_identity(c.size, c.overlap, c.parent_field, embedder.name)
         # Built on first use: a re-ingest where nothing changed never loads the encoder (its tokenizer).
         chunker = functools.cache(lambda: chunker_for(settings, embedder))
 

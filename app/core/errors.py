@@ -26,8 +26,15 @@ class ContextTooLong(BadRequest):
     code = "context_length_exceeded"
 
 
+UNAUTHORIZED = "missing or invalid API key: send 'Authorization: Bearer <key>'"
+
+
 class Unauthorized(ServiceError):
     status, type, code = 401, "authentication_error", "invalid_api_key"
+
+
+class Forbidden(ServiceError):
+    status, type, code = 403, "permission_error", "forbidden"
 
 
 class NotFound(ServiceError):

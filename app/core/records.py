@@ -3,6 +3,7 @@ lexical index, pages and ingest's own bookkeeping read it back with ``from_metad
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
@@ -44,3 +45,22 @@ class ChunkRecord:
 
 
 _FIELDS = tuple(f.name for f in fields(ChunkRecord))
+
+
+def sha256(*parts: str) -> str:
+    """The hash of ``parts`` joined by a separator: ("ab", "c") and ("a", "bc") hash apart."""
+    digest = hashlib.sha256()
+    for part in parts:
+        digest.update(part.encode("utf-8"))
+        digest.update(b"\x1f")  # unit separator
+    return digest.hexdigest()
+
+
+def pipeline_identity(size: int, overlap: int, parent_field: str | None, encoder: str) -> str:
+    """Chunking parameters and the encoder: part of every hash, so changing them re-chunks everything."""
+    return f"{size}/{overlap}/{parent_field}/{encoder}"
+
+
+def file_hash(raw_sha256: str, identity: str) -> str:
+    """A file's ``file_hash`` from the SHA-256 (hex) of its bytes: equal and complete means unchanged."""
+    return sha256(raw_sha256, identity)

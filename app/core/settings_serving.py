@@ -199,6 +199,10 @@ class ServiceSettings(BaseModel):
     host: str = Field("127.0.0.1", description="Bind address of the query service.")
     port: int = Field(8080, ge=1, le=65535, description="Port of the query service.")
     api_key: str | None = Field(None, description="Optional Bearer key required on every endpoint but health.")
+    keys_file: Path | None = Field(None, description="Tenants' keys (JSON: {\"tenants\": [{\"name\", \"keys\": [...], "
+                                   "\"collections\"?: [...], \"write\"?: bool}]}): each key reads (and writes) only "
+                                   "its tenant's collections, and its prompts use a prefix cache of the tenant's own "
+                                   "(vLLM's cache_salt); api_key, if set too, stays a key to everything, unsalted.")
     keep_alive_s: int = Field(
         75, ge=1, description="How long an idle client connection is kept open. Longer than common clients' own "
         "idle limits (httpx 5 s, aiohttp 15 s, a load balancer's 60 s), so the client always closes first: a server "

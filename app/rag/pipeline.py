@@ -136,7 +136,7 @@ class Pipeline:
         filtered question's unit is its hit's own document (or window), as its prompt would show it."""
         checked = self.rules.lookup(lookup)
         assert checked.top_k is not None
-        hits = await self._retrieve_cached(checked.question, checked.top_k, checked.source_prefix)
+        hits = await self._retrieve_cached(checked.question, checked.top_k, checked.source_prefix, checked.cache_salt)
         paged = checked.source_prefix is None
         units = [(await self.planner.units.unit_for(hit, paged=paged))[0] for hit in hits]
         return Retrieved(hits, units, ms(time.perf_counter() - checked.received_at))
@@ -154,7 +154,8 @@ class Pipeline:
         clock.mark("admitted")
         self.metrics.admission_wait.observe(clock.marks["admitted"] - clock.started)
         budget = self._budget(served.max_model_len, talk.max_tokens)  # a max_tokens beyond the window: no retrieval
-        retrieved = [await self._retrieve_cached(q, talk.top_k, talk.source_prefix) for q in talk.questions]
+        retrieved = [await self._retrieve_cached(q, talk.top_k, talk.source_prefix, talk.cache_salt)
+                     for q in talk.questions]
         clock.mark("retrieve")
         first = await self._first_context(talk, retrieved[0], budget)
         plan = Plan(list(talk.turns), new_context_per_turn(first, retrieved[1:]))
@@ -182,17 +183,19 @@ class Pipeline:
         (hot units first, served paths), and remembered, so ``/ask`` and a chat's first turn share one prompt
         and the chat's later turns rebuild it exactly; a later turn whose first context was forgotten (evicted,
         another app process) rebuilds it as a pure function of the hits."""
-        key = (talk.questions[0], talk.top_k, talk.source_prefix, budget)
+        key = (talk.questions[0], talk.top_k, talk.source_prefix, budget, talk.cache_salt)
         forgotten = len(talk.questions) > 1  # a later turn reaches the planner only when turn 1 was forgotten
         # Arranged while a reload still loads the pages (documents unpaged): used once, not remembered.
         return await self._first_contexts.get(key, lambda: self.planner.arrange(
             ranked, budget, stable=forgotten, scoped=talk.source_prefix is not None),
             keep=lambda _: self.index.indexes_loaded())
 
-    async def _retrieve_cached(self, question: str, top_k: int, source_prefix: str | None) -> list[ContextChunk]:
+    async def _retrieve_cached(self, question: str, top_k: int, source_prefix: str | None,
+                               cache_salt: str | None) -> list[ContextChunk]:
         # Earlier turns are re-retrieved on every request; an LRU keeps that to one Chroma query per new turn.
-        # A ranking made while a reload still loads BM25 (dense alone) is used once, not remembered.
-        ranking = await self._retrievals.get((question, top_k, source_prefix),
+        # A ranking made while a reload still loads BM25 (dense alone) is used once, not remembered. Each tenant
+        # (``cache_salt``) remembers its own: none can time whether another asked a question.
+        ranking = await self._retrievals.get((question, top_k, source_prefix, cache_salt),
                                              lambda: self.ranker.rank(question, top_k, source_prefix),
                                              keep=lambda found: found.complete)
         return ranking.chunks
@@ -203,7 +206,7 @@ class Pipeline:
             prompt.messages, max_tokens=talk.max_tokens, prefix_key=prompt.affinity,
             temperature=defaults.temperature if sampling.temperature is None else sampling.temperature,
             repetition_penalty=defaults.repetition_penalty, sampling=defaults.extra_sampling,
-            **sampling.options())
+            cache_salt=talk.cache_salt, **sampling.options())
         completion, first_token = Completion(), None
         ids = await self._prompt_ids(prompt, talk)
         self.metrics.prompts_sent.labels("token_ids" if ids is not None else "chat").inc()

@@ -38,6 +38,7 @@ class Query:
     top_k: int | None = None
     source_prefix: str | None = None
     max_tokens: int | None = None
+    cache_salt: str | None = None  # the tenant's own prefix cache (``app.serve.tenants``); None: the shared one
     received_at: float = field(default_factory=time.perf_counter)
 
 
@@ -48,6 +49,7 @@ class Lookup:
     question: str
     top_k: int | None = None
     source_prefix: str | None = None
+    cache_salt: str | None = None  # the tenant's own prefix cache (``app.serve.tenants``); None: the shared one
     received_at: float = field(default_factory=time.perf_counter)
 
 
@@ -59,6 +61,7 @@ class ChatQuery:
     system: str = ""
     max_tokens: int | None = None
     sampling: Sampling = Sampling()
+    cache_salt: str | None = None  # the tenant's own prefix cache (``app.serve.tenants``); None: the shared one
     received_at: float = field(default_factory=time.perf_counter)
 
 
@@ -72,6 +75,7 @@ class Conversation:
     system: str = ""
     source_prefix: str | None = None
     sampling: Sampling = Sampling()
+    cache_salt: str | None = None  # the tenant's own prefix cache (``app.serve.tenants``); None: the shared one
     received_at: float = field(default_factory=time.perf_counter)
 
     @property
@@ -88,12 +92,13 @@ class RequestRules:
     def ask(self, query: Query) -> Conversation:
         question = self._question(query.question, "question")
         return Conversation((Turn("user", question),), self._top_k(query.top_k), self._max_tokens(query.max_tokens),
-                            source_prefix=query.source_prefix, received_at=query.received_at)
+                            source_prefix=query.source_prefix, cache_salt=query.cache_salt,
+                            received_at=query.received_at)
 
     def lookup(self, lookup: Lookup) -> Lookup:
         """The same checks as ``/ask``'s question and ``top_k``, the default resolved."""
         return Lookup(self._question(lookup.question, "question"), self._top_k(lookup.top_k), lookup.source_prefix,
-                      lookup.received_at)
+                      lookup.cache_salt, lookup.received_at)
 
     def chat(self, chat: ChatQuery) -> Conversation:
         limits = self.settings
@@ -111,7 +116,7 @@ class RequestRules:
             content = self._question(turn.content, f"messages[{number}]") if turn.role == "user" else turn.content
             turns.append(Turn(turn.role, content))
         return Conversation(tuple(turns), self._top_k(None), self._max_tokens(chat.max_tokens), chat.system,
-                            None, chat.sampling, chat.received_at)
+                            None, chat.sampling, chat.cache_salt, chat.received_at)
 
     def _question(self, text: object, where: str) -> str:
         question = text.strip() if isinstance(text, str) else ""

@@ -23,11 +23,19 @@ from pathlib import Path, PurePosixPath
 from typing import Any, BinaryIO, Literal
 
 from app.core import lexical, pages
-from app.core.errors import BadRequest, NotFound, UnsupportedMediaType
-from app.core.records import DOCUMENT_SUFFIXES
+from app.core.errors import BadRequest, NotFound, StoreUnavailable, UnsupportedMediaType
+from app.core.records import DOCUMENT_SUFFIXES, file_hash, pipeline_identity
 from app.core.settings import Settings
 from app.core.settings_names import LEGACY, PREFIX
-from app.core.store import mark_changed, stored_documents, write_lock
+from app.core.store import (
+    CollectionMissing,
+    StoredDocument,
+    StoreError,
+    mark_changed,
+    open_collection,
+    stored_documents,
+    write_lock,
+)
 from app.rag.index import CollectionIndex, chroma_errors
 
 log = logging.getLogger("prefixrag.documents")
@@ -83,9 +91,40 @@ class Documents:
 
     async def listed(self) -> list[dict[str, Any]]:
         """Every document the collection holds: id, source file, content hash, chunks (complete or not)."""
-        held = await self.index.run(lambda: stored_documents(self.index.collection))
+        held = await self.index.run(self._held)
         return [{"id": doc_id, "source": entry.source, "hash": entry.doc_hash, "chunks": len(entry.ids),
                  "complete": entry.complete} for doc_id, entry in sorted(held.items())]
+
+    async def sync(self, manifest: dict[str, str], prefix: str = "") -> dict[str, list[str]]:
+        """What to upload and delete for the collection to hold exactly the files of ``manifest`` (name -> the
+        SHA-256 of its bytes, hex) among its files under ``prefix``: ``add`` (not held), ``update`` (held, but
+        changed or incomplete), ``unchanged``, and ``delete``: the documents of files held but not listed."""
+        names = {checked_name(name): digest.lower() for name, digest in manifest.items()}
+        held = await self.index.run(self._held)
+        chunking = self.settings.chunking
+        identity = pipeline_identity(chunking.size, chunking.overlap, chunking.parent_field,
+                                     self.settings.embedding.model)
+        by_source: dict[str, list[tuple[str, StoredDocument]]] = {}
+        for doc_id, entry in held.items():
+            if entry.source.startswith(prefix):
+                by_source.setdefault(entry.source, []).append((doc_id, entry))
+        plan: dict[str, list[str]] = {"add": [], "update": [], "unchanged": [], "delete": []}
+        for name, digest in sorted(names.items()):
+            docs = by_source.get(name)
+            same = docs and all(e.complete and e.file_hash == file_hash(digest, identity) for _, e in docs)
+            plan["add" if not docs else "unchanged" if same else "update"].append(name)
+        plan["delete"] = sorted(doc_id for source, docs in by_source.items() if source not in names
+                                for doc_id, _ in docs)
+        return plan
+
+    def _held(self) -> dict[str, StoredDocument]:
+        """What the collection holds, per document (nothing while it does not exist yet), as stored now."""
+        try:
+            return stored_documents(open_collection(self.settings.chroma, self.index.embedder, create=False))
+        except CollectionMissing:
+            return {}
+        except StoreError as exc:
+            raise StoreUnavailable(str(exc)) from exc
 
     async def delete(self, doc_id: str) -> int:
         """Delete a document's chunks under the writers' lock and reload before returning: its chunk count."""

@@ -15,6 +15,7 @@ from app.core.settings import Settings
 from app.serve.edge import RequestEdge
 from app.serve.http_errors import install_error_handlers
 from app.serve.observability import observe
+from app.serve.tenants import Tenants
 from app.vllm.client import LLMClient
 
 log = logging.getLogger("prefixrag")
@@ -64,8 +65,10 @@ def create_app(settings: Settings | None = None, *, embedder: Embedder | None = 
     app = FastAPI(title="prefixrag", version="0.1.0", lifespan=lifespan,
                   description="Retrieval-augmented answers from vLLM, with prompts built for prefix-cache hits.")
     install_error_handlers(app)
+    tenants = Tenants(settings.service.api_key, settings.service.keys_file)  # a bad keys file fails here
+    app.state.tenants = tenants
     app.add_middleware(RequestEdge, max_body_bytes=settings.service.max_body_bytes,
-                       max_upload_bytes=settings.service.max_upload_bytes, api_key=settings.service.api_key)
+                       max_upload_bytes=settings.service.max_upload_bytes, tenants=tenants)
     observe(app, metrics)
     if settings.service.cors_origins:
         from starlette.middleware.cors import CORSMiddleware

@@ -9,12 +9,12 @@ from typing import Annotated
 from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
-from app.core.errors import Unauthorized
+from app.core.errors import UNAUTHORIZED, Unauthorized
 from app.core.metrics import ServiceMetrics
 from app.core.settings import Settings
 from app.runtime.documents import Documents
 from app.runtime.service import Service
-from app.serve.edge import key_matches
+from app.serve.tenants import Tenant, Tenants
 
 
 async def get_settings(request: Request) -> Settings:
@@ -48,20 +48,38 @@ DocumentsDep = Annotated[Documents, Depends(get_documents)]
 bearer = HTTPBearer(auto_error=False, description="PREFIXRAG_API_KEY, when the service is started with one.")
 
 
-async def holds_key(settings: SettingsDep,
-                    credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]) -> bool:
-    """The caller may pass: no PREFIXRAG_API_KEY is set, or it sent that key (compared in constant time)."""
-    expected = settings.service.api_key
-    return not expected or (credentials is not None and key_matches(credentials.credentials, expected))
+async def tenant_of(request: Request,
+                    credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]) -> Tenant | None:
+    """The caller's tenant (``app.serve.tenants``; None: no valid key); a request with a body was resolved at
+    the edge (``app.serve.edge``), before its body was read."""
+    if (tenant := getattr(request.state, "tenant", None)) is not None:
+        return tenant  # type: ignore[no-any-return]
+    tenants: Tenants = request.app.state.tenants
+    return tenants.of(f"Bearer {credentials.credentials}" if credentials is not None else "")
 
 
-HoldsKey = Annotated[bool, Depends(holds_key)]
+MaybeTenant = Annotated[Tenant | None, Depends(tenant_of)]
 
 
-async def require_api_key(allowed: HoldsKey) -> None:
-    """Requests with a body were already checked at the edge (``app.serve.edge``), before their body was read."""
-    if not allowed:
-        raise Unauthorized("missing or invalid API key: send 'Authorization: Bearer <PREFIXRAG_API_KEY>'")
+async def require_tenant(tenant: MaybeTenant) -> Tenant:
+    if tenant is None:
+        raise Unauthorized(UNAUTHORIZED)
+    return tenant
 
 
-Authorized = Depends(require_api_key)
+TenantDep = Annotated[Tenant, Depends(require_tenant)]
+Authorized = Depends(require_tenant)
+
+
+async def require_reader(tenant: TenantDep, settings: SettingsDep) -> Tenant:
+    tenant.reads(settings.chroma.collection)
+    return tenant
+
+
+async def require_writer(tenant: TenantDep, settings: SettingsDep) -> Tenant:
+    tenant.writes(settings.chroma.collection)
+    return tenant
+
+
+Reader = Annotated[Tenant, Depends(require_reader)]  # a tenant that may read the served collection
+Writer = Annotated[Tenant, Depends(require_writer)]  # ... and change it

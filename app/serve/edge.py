@@ -7,35 +7,24 @@ Pure ASGI (no BaseHTTPMiddleware): the body is never buffered here, only counted
 
 from __future__ import annotations
 
-import hmac
-
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from app.core.errors import Overloaded
+from app.core.errors import UNAUTHORIZED, Overloaded
 from app.runtime.returns import CLIENT
 from app.serve.http_errors import error_response
 from app.serve.protocol import error_body
+from app.serve.tenants import Tenants
 
 BODYLESS = frozenset({"GET", "HEAD", "OPTIONS", "DELETE"})
 ADMITTED = frozenset({"/ask", "/v1/chat/completions", "/v1/completions"})  # the routes that take a place of admission
 UPLOADS = "/v1/documents"  # its bodies are files: their own limit
 
 
-def key_matches(token: str, expected: str) -> bool:
-    return hmac.compare_digest(token.strip().encode(), expected.encode())  # constant time
-
-
-def bearer_ok(authorization: str, expected: str) -> bool:
-    """``Authorization: Bearer <key>`` with the expected key."""
-    scheme, _, token = authorization.partition(" ")
-    return scheme.lower() == "bearer" and key_matches(token, expected)
-
-
 def unauthorized() -> JSONResponse:
-    return JSONResponse(error_body("missing or invalid API key: send 'Authorization: Bearer <PREFIXRAG_API_KEY>'",
+    return JSONResponse(error_body(UNAUTHORIZED,
                                    "authentication_error", None, "invalid_api_key"),
                         status_code=401, headers={"WWW-Authenticate": "Bearer"})
 
@@ -51,8 +40,8 @@ def overloaded(scope: Scope) -> Overloaded | None:
 
 
 class RequestEdge:
-    def __init__(self, app: ASGIApp, *, max_body_bytes: int, max_upload_bytes: int, api_key: str | None) -> None:
-        self.app, self.api_key = app, api_key
+    def __init__(self, app: ASGIApp, *, max_body_bytes: int, max_upload_bytes: int, tenants: Tenants) -> None:
+        self.app, self.tenants = app, tenants
         self.limits = {"max_body_bytes": max_body_bytes, "max_upload_bytes": max_upload_bytes}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -60,9 +49,10 @@ class RequestEdge:
             await self.app(scope, receive, send)
             return
         headers = Headers(scope=scope)
-        if self.api_key and not bearer_ok(headers.get("authorization", ""), self.api_key):
+        if (tenant := self.tenants.of(headers.get("authorization", ""))) is None:
             await unauthorized()(scope, receive, send)  # the body is never read
             return
+        scope.setdefault("state", {})["tenant"] = tenant  # the routes' ``TenantDep`` reads it
         setting = "max_upload_bytes" if scope["path"] == UPLOADS else "max_body_bytes"
         declared = headers.get("content-length", "")
         if declared.isdigit() and int(declared) > self.limits[setting]:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+
+from app.serve.protocol import Text
 
 
 class JobResponse(BaseModel):
@@ -41,3 +43,22 @@ class DocumentDeleted(BaseModel):
     object: Literal["document.deleted"] = "document.deleted"
     deleted: Literal[True] = True
     chunks: int = Field(description="Chunks removed.")
+
+
+Sha256 = Annotated[str, StringConstraints(pattern=r"^[0-9a-fA-F]{64}$")]
+
+
+class SyncRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    files: dict[Text, Sha256] = Field(description="Each file the collection should hold (its name as uploaded) -> "
+                                      "the SHA-256 of its bytes, hex.")
+    prefix: Text = Field("", description="Only the collection's files whose name starts with this are compared "
+                         "(a folder kept in step apart from the others).")
+
+
+class SyncPlan(BaseModel):
+    object: Literal["documents.sync"] = "documents.sync"
+    add: list[str] = Field(description="Files the collection does not hold: upload them.")
+    update: list[str] = Field(description="Files held with other content (or partly written): upload them.")
+    unchanged: list[str] = Field(description="Files held as they are: nothing to do.")
+    delete: list[str] = Field(description="Documents of files held under the prefix but not listed: delete them.")

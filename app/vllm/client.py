@@ -100,10 +100,12 @@ class LLMClient:
 
     def chat_request(self, messages: list[dict[str, Any]], *, max_tokens: int, temperature: float, prefix_key: str,
                      stream: bool = True, repetition_penalty: float | None = None, priority: int | None = None,
-                     sampling: dict[str, Any] | None = None, **options: Any) -> dict[str, Any]:
+                     sampling: dict[str, Any] | None = None, cache_salt: str | None = None,
+                     **options: Any) -> dict[str, Any]:
         """Keyword arguments for ``chat.completions.create``: the single definition of a vLLM request.
         ``priority``: vLLM's scheduling priority (lower first; users 0), for background work; ``sampling``:
-        further vLLM sampling parameters (``PREFIXRAG_SAMPLING__EXTRA_SAMPLING``)."""
+        further vLLM sampling parameters (``PREFIXRAG_SAMPLING__EXTRA_SAMPLING``); ``cache_salt``: the tenant's
+        own prefix cache (vLLM hashes the request's KV blocks with it)."""
         headers = {self.settings.affinity_header: prefix_key}
         if (request_id := correlation_id.get()) is not None:  # the user's request: vLLM logs and aborts it by this
             headers[REQUEST_ID_HEADER] = request_id
@@ -113,7 +115,8 @@ class LLMClient:
         }
         if stream:
             request["stream_options"] = {"include_usage": True}
-        extensions = {"repetition_penalty": repetition_penalty, "priority": priority, **(sampling or {})}
+        extensions = {"repetition_penalty": repetition_penalty, "priority": priority, **(sampling or {}),
+                      "cache_salt": cache_salt}  # last: the server's, whatever the sampling settings hold
         if any(v is not None for v in extensions.values()):
             request["extra_body"] = {k: v for k, v in extensions.items() if v is not None}
         request.update({k: v for k, v in options.items() if v is not None})

@@ -5,6 +5,7 @@ fake vLLM at its seam."""
 
 from __future__ import annotations
 
+import hashlib
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -18,6 +19,8 @@ from tests.support.fakes import FakeVLLM
 from tests.support.servers import AppServer
 
 HARBOUR = "The harbour of Velmora was dredged in 1911 so that steamers of the Aurel line could dock at night."
+HARBOUR_MD = f"# Velmora\n\n{HARBOUR}\n".encode()
+AGAIN_MD = b"# Again\n\nA second upload.\n"
 GLACIER = "The Oskar glacier lost forty metres of ice in the summer of 2003, the survey of Brennholt recorded."
 
 
@@ -35,6 +38,16 @@ def finished(server, response: httpx.Response) -> dict:
     return job
 
 
+def sha(content: bytes) -> str:
+    return hashlib.sha256(content).hexdigest()
+
+
+def sync(server, files: dict[str, str], prefix: str = "") -> dict:
+    response = httpx.post(server.url + "/v1/documents/sync", json={"files": files, "prefix": prefix}, timeout=30)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
 def cited(server, question: str) -> set[str]:
     answer = ask(server, question=question, top_k=3)
     assert answer.status_code == 200, answer.text
@@ -47,13 +60,16 @@ def test_uploaded_documents_are_answered_from_when_done_and_never_cited_once_del
     run_ingest([tmp_path / "docs"], settings, embedder)
     with AppServer(create_app(settings, embedder=embedder, llm=FakeVLLM())) as server:
         server.wait_ready()
-        first = finished(server, upload(server, ("ports/harbour.md", f"# Velmora\n\n{HARBOUR}\n".encode()),
+        first = finished(server, upload(server, ("ports/harbour.md", HARBOUR_MD),
                                         ("broken.pdf", b"%PDF-1.4 not really a pdf")))
         with ThreadPoolExecutor(2) as pool:  # two uploads at once: one job after the other, both land
             both = list(pool.map(lambda f: finished(server, upload(server, f)),
-                                 [("glacier.txt", GLACIER.encode()), ("again.md", b"# Again\n\nA second upload.\n")]))
+                                 [("glacier.txt", GLACIER.encode()), ("again.md", AGAIN_MD)]))
         before = cited(server, "When was the harbour of Velmora dredged?")  # its ranking now remembered
         listed = {d["id"]: d for d in httpx.get(server.url + "/v1/documents", timeout=30).json()["data"]}
+        folder = sync(server, {"ports/harbour.md": sha(HARBOUR_MD), "ports/quay.md": sha(b"# Quay\n")}, "ports/")
+        everything = sync(server, {"glacier.txt": sha(b"Changed."), "again.md": sha(AGAIN_MD)})
+        resynced = finished(server, upload(server, ("glacier.txt", b"Changed."), ("again.md", AGAIN_MD)))
         deleted = httpx.delete(server.url + "/v1/documents/ports/harbour.md", timeout=60)
         after = cited(server, "When was the harbour of Velmora dredged?")
         gone = httpx.delete(server.url + "/v1/documents/ports/harbour.md", timeout=60)
@@ -64,6 +80,12 @@ def test_uploaded_documents_are_answered_from_when_done_and_never_cited_once_del
     assert [job["status"] for job in both] == ["done", "done"]
     assert listed["ports/harbour.md"]["complete"] and listed["ports/harbour.md"]["chunks"] >= 1
     assert {"glacier.txt", "again.md", "para-000"} <= set(listed)
+    assert (folder["add"], folder["update"], folder["unchanged"], folder["delete"]) == (
+        ["ports/quay.md"], [], ["ports/harbour.md"], [])  # compared under its prefix only
+    assert (everything["update"], everything["unchanged"]) == (["glacier.txt"], ["again.md"])
+    assert {"para-000", "ports/harbour.md"} <= set(everything["delete"])  # held, not listed
+    report = resynced["report"]  # only the changed file is embedded again
+    assert (report["files_updated"], report["files_unchanged"], report["chunks_embedded"]) == (1, 1, 1)
     assert deleted.status_code == 200 and deleted.json()["chunks"] == listed["ports/harbour.md"]["chunks"]
     assert "ports/harbour.md" not in after and "ports/harbour.md" not in remaining
     assert gone.status_code == 404 and gone.json()["error"]["code"] == "document_not_found"

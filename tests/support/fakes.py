@@ -34,6 +34,7 @@ class FakeVLLM(LLMClient):
         self.blocks: set[str] = set()
         self.queries = 0  # prompt tokens seen, as vllm:prefix_cache_queries_total
         self.prompts: list[list[dict]] = []  # every prompt sent, in order
+        self.salts: list[str | None] = []  # each one's cache_salt
 
     @staticmethod
     def render(messages: list[dict]) -> str:
@@ -51,7 +52,9 @@ class FakeVLLM(LLMClient):
                                  param="messages")
         self.prompts.append(request["messages"])
         self.queries += len(tokens)
-        key, cached, hitting = hashlib.sha256(), 0, True
+        salt = request.get("extra_body", {}).get("cache_salt")  # as vLLM: blocks of another salt never match
+        self.salts.append(salt)
+        key, cached, hitting = hashlib.sha256((salt or "").encode()), 0, True
         for start in range(0, len(tokens) - len(tokens) % BLOCK, BLOCK):
             key.update("".join(tokens[start:start + BLOCK]).encode())
             block = key.hexdigest()

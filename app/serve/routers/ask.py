@@ -13,7 +13,7 @@ from fastapi import APIRouter, Request
 from app.core.errors import ServiceError
 from app.rag.pipeline import Answer
 from app.rag.requests import Query
-from app.serve.deps import Authorized, MetricsDep, ServiceDep
+from app.serve.deps import Authorized, MetricsDep, Reader, ServiceDep
 from app.serve.http_errors import reported
 from app.serve.protocol import (
     INTERNAL_ERROR,
@@ -35,9 +35,9 @@ ERRORS: dict[int | str, dict[str, Any]] = STREAMED_200 | {
 
 
 @router.post("/ask", response_model=AskResponse, responses=ERRORS)
-async def ask(body: AskRequest, request: Request, service: ServiceDep, metrics: MetricsDep) -> Any:
+async def ask(body: AskRequest, request: Request, service: ServiceDep, metrics: MetricsDep, tenant: Reader) -> Any:
     query = Query(question=body.question, top_k=body.top_k, max_tokens=body.max_tokens,
-                  source_prefix=body.filters.source_prefix if body.filters else None)
+                  source_prefix=body.filters.source_prefix if body.filters else None, cache_salt=tenant.cache_salt)
     if body.stream:
         events = await started(service.answer_stream(query))  # failures before the first token keep their status
         return event_stream(_sse(events))

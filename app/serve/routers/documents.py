@@ -8,36 +8,49 @@ from typing import Annotated, Any
 from fastapi import APIRouter, File, UploadFile
 from fastapi.responses import JSONResponse
 
-from app.serve.deps import Authorized, DocumentsDep
+from app.serve.deps import Authorized, DocumentsDep, Reader, Writer
 from app.serve.protocol import ErrorResponse
-from app.serve.protocol_documents import DocumentDeleted, DocumentInfo, DocumentList, JobResponse
+from app.serve.protocol_documents import (
+    DocumentDeleted,
+    DocumentInfo,
+    DocumentList,
+    JobResponse,
+    SyncPlan,
+    SyncRequest,
+)
 
 router = APIRouter(tags=["documents"], dependencies=[Authorized])
 
 
 def errors(*codes: int) -> dict[int | str, dict[str, Any]]:
-    return {code: {"model": ErrorResponse} for code in (401, *codes)}
+    return {code: {"model": ErrorResponse} for code in (401, 404, *codes)}
 
 
-@router.post("/v1/documents", status_code=202, response_model=JobResponse, responses=errors(400, 413, 415))
+@router.post("/v1/documents", status_code=202, response_model=JobResponse, responses=errors(400, 403, 413, 415))
 async def upload(files: Annotated[list[UploadFile], File(description="Files of the types python -m ingest reads; "
                                                          "each file's name is its document's id.")],
-                 documents: DocumentsDep) -> JSONResponse:
+                 documents: DocumentsDep, _: Writer) -> JSONResponse:
     job = await documents.submit([(file.filename or "", file.file) for file in files])
     return JSONResponse(JobResponse(**asdict(job)).model_dump(), status_code=202,
                         headers={"Location": f"/v1/jobs/{job.id}"})
 
 
-@router.get("/v1/jobs/{job_id}", response_model=JobResponse, responses=errors(404))
-async def job(job_id: str, documents: DocumentsDep) -> JobResponse:
+@router.post("/v1/documents/sync", response_model=SyncPlan, responses=errors(400, 403, 415, 503))
+async def sync(body: SyncRequest, documents: DocumentsDep, _: Writer) -> SyncPlan:
+    """What to upload and delete so that the collection holds exactly a folder's files: one call."""
+    return SyncPlan(**await documents.sync(body.files, body.prefix))
+
+
+@router.get("/v1/jobs/{job_id}", response_model=JobResponse, responses=errors(403))
+async def job(job_id: str, documents: DocumentsDep, _: Writer) -> JobResponse:
     return JobResponse(**asdict(documents.job(job_id)))
 
 
 @router.get("/v1/documents", response_model=DocumentList, responses=errors(503))
-async def listed(documents: DocumentsDep) -> DocumentList:
+async def listed(documents: DocumentsDep, _: Reader) -> DocumentList:
     return DocumentList(data=[DocumentInfo(**entry) for entry in await documents.listed()])
 
 
-@router.delete("/v1/documents/{doc_id:path}", response_model=DocumentDeleted, responses=errors(404, 503))
-async def delete(doc_id: str, documents: DocumentsDep) -> DocumentDeleted:
+@router.delete("/v1/documents/{doc_id:path}", response_model=DocumentDeleted, responses=errors(403, 503))
+async def delete(doc_id: str, documents: DocumentsDep, _: Writer) -> DocumentDeleted:
     return DocumentDeleted(id=doc_id, chunks=await documents.delete(doc_id))

@@ -8,7 +8,7 @@ from fastapi import APIRouter
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from app.serve.deps import Authorized, HoldsKey, MetricsDep, ServiceDep
+from app.serve.deps import Authorized, MaybeTenant, MetricsDep, ServiceDep
 from app.serve.protocol import ErrorResponse
 
 router = APIRouter(tags=["health"])
@@ -20,13 +20,14 @@ async def healthz() -> dict[str, Any]:
 
 
 @router.get("/readyz")
-async def readyz(service: ServiceDep, allowed: HoldsKey) -> JSONResponse:
+async def readyz(service: ServiceDep, tenant: MaybeTenant) -> JSONResponse:
     """Ready = it can answer now: vLLM answers and the collection is readable (pre-warm's progress is reported
     under ``warmup``, never waited for; the load under ``traffic``). Open to
-    probes without a key; with PREFIXRAG_API_KEY set, only a caller holding the key sees the details (vLLM's URL,
+    probes without a key; with keys set, only a caller holding one sees the details (vLLM's URL,
     model, window, KV size, warm-up progress)."""
     status = service.readiness()
-    body = status.to_json() if allowed else {"ready": status.ready, "reason": "ready" if status.ready else "not ready"}
+    brief = {"ready": status.ready, "reason": "ready" if status.ready else "not ready"}
+    body = status.to_json() if tenant is not None else brief
     return JSONResponse(body, status_code=200 if status.ready else 503)
 
 

@@ -16,7 +16,7 @@ from app.core.settings import Settings
 from app.rag.conversation import Turn
 from app.rag.pipeline import Answer
 from app.rag.requests import ChatQuery, Sampling
-from app.serve.deps import Authorized, ServiceDep, SettingsDep
+from app.serve.deps import Authorized, Reader, ServiceDep, SettingsDep
 from app.serve.http_errors import reported
 from app.serve.protocol import (
     INTERNAL_ERROR,
@@ -52,9 +52,9 @@ async def list_models(settings: SettingsDep) -> ModelList:
 
 @router.post("/chat/completions", response_model=ChatCompletion, responses=ERRORS)
 async def chat_completions(body: ChatCompletionRequest, request: Request, service: ServiceDep,
-                           settings: SettingsDep) -> Any:
+                           settings: SettingsDep, tenant: Reader) -> Any:
     model = served_model(body, settings)
-    chat = to_chat_query(body)
+    chat = to_chat_query(body, tenant.cache_salt)
     ident, created = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time())
     append = settings.service.append_sources
     if body.stream:
@@ -97,11 +97,12 @@ UNSUPPORTED = {
 }
 
 
-def to_chat_query(body: ChatCompletionRequest) -> ChatQuery:
+def to_chat_query(body: ChatCompletionRequest, cache_salt: str | None = None) -> ChatQuery:
+    """The request as the pipeline takes it; ``cache_salt``: the tenant's (a client's own is never used)."""
     system = "\n\n".join(m.text() for m in body.messages if m.role in ("system", "developer") and m.text())
     turns = [Turn(m.role, m.text()) for m in body.messages if m.role in ("user", "assistant")]
     return ChatQuery(turns=turns, system=system, max_tokens=body.max_completion_tokens or body.max_tokens,
-                     sampling=sampling_of(body))
+                     sampling=sampling_of(body), cache_salt=cache_salt)
 
 
 def sampling_of(body: GenerationRequest) -> Sampling:

@@ -7,7 +7,7 @@ from typing import Any
 from fastapi import APIRouter
 
 from app.rag.requests import Lookup
-from app.serve.deps import Authorized, MetricsDep, ServiceDep
+from app.serve.deps import Authorized, MetricsDep, Reader, ServiceDep
 from app.serve.protocol import ErrorResponse, RetrieveRequest, RetrieveResponse, retrieved_chunks
 
 router = APIRouter(tags=["retrieve"], dependencies=[Authorized])
@@ -15,9 +15,10 @@ ERRORS: dict[int | str, dict[str, Any]] = {code: {"model": ErrorResponse} for co
 
 
 @router.post("/v1/retrieve", response_model=RetrieveResponse, responses=ERRORS)
-async def retrieve(body: RetrieveRequest, service: ServiceDep, metrics: MetricsDep) -> RetrieveResponse:
+async def retrieve(body: RetrieveRequest, service: ServiceDep, metrics: MetricsDep,
+                   tenant: Reader) -> RetrieveResponse:
     lookup = Lookup(question=body.question, top_k=body.top_k,
-                    source_prefix=body.filters.source_prefix if body.filters else None)
+                    source_prefix=body.filters.source_prefix if body.filters else None, cache_salt=tenant.cache_salt)
     with metrics.latency.labels("retrieve").time():
         found = await service.retrieve(lookup)
     metrics.requests.labels("retrieve", "200").inc()
