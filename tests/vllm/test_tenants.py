@@ -4,6 +4,7 @@ context out of another's reach, read from vLLM's own counts (``usage.prompt_toke
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import pytest
@@ -25,7 +26,12 @@ def test_the_same_question_hits_its_tenants_cache_and_never_another_tenants(coll
     reset_prefix_cache(vllm_url)
     with AppServer(create_app(settings, embedder=embedder)) as server:
         server.wait_ready()
-        block = server.wait_warmed(done=True)["vllm"]["block_size"]
+        deadline, alpha_key = time.monotonic() + 120, {"authorization": "Bearer key-alpha"}
+        while (ready := httpx.get(server.url + "/readyz", headers=alpha_key, timeout=10).json())["warmup"][
+                "state"] != "done":
+            assert time.monotonic() < deadline, ready
+            time.sleep(0.2)
+        block = ready["vllm"]["block_size"]
 
         def ask(key: str) -> dict:
             answer = httpx.post(server.url + "/ask", json={"question": "How does pre-warm avoid delaying users?",
