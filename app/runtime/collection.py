@@ -41,13 +41,14 @@ class CollectionWatcher:
                 self.problem = exc.message
             await asyncio.sleep(interval_s)
 
-    async def check_now(self) -> None:
+    async def check_now(self, prime: bool = True) -> None:
         """Look at the stamp now and act on a change (a write of this process's own: an upload, a deletion),
-        returning once the service has reloaded: nothing cached from before is used after this."""
+        returning once the service has dropped what it cached: nothing cached from before is used after this;
+        ``prime``: and once its indexes are loaded again (else they load at the next question)."""
         async with self._looking:
-            self._seen = await self._look(self._seen)
+            self._seen = await self._look(self._seen, prime)
 
-    async def _look(self, seen: object) -> str | None:
+    async def _look(self, seen: object, prime: bool = True) -> str | None:
         name = self.index.chroma.collection
         now = await self.index.generation()
         if now is None:
@@ -64,7 +65,7 @@ class CollectionWatcher:
             for subscriber in self._subscribers:
                 await subscriber(now is not None)
         if now is not None:
-            if changed or seen is _UNSEEN:
+            if seen is _UNSEEN or (changed and prime):  # the first look always: readiness waits for it
                 await self._prime()
             self.problem = None
         return now

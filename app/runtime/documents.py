@@ -8,6 +8,7 @@ stops is lost (upload again; what it had finished is stored)."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import os
@@ -57,12 +58,12 @@ class Job:
 
 
 class Documents:
-    def __init__(self, settings: Settings, index: CollectionIndex, changed: Callable[[], Awaitable[None]]) -> None:
-        """``changed``: makes the service see the collection as it is now (reload, forget, re-warm) and returns
-        when it does."""
+    def __init__(self, settings: Settings, index: CollectionIndex, changed: Callable[[bool], Awaitable[None]]) -> None:
+        """``changed(prime)``: makes the service see the collection as it is now (it forgets what it cached of it,
+        re-warms, and with ``prime`` loads its indexes again) and returns when it has."""
         self.settings, self.index, self.changed = settings, index, changed
         self._jobs: OrderedDict[str, Job] = OrderedDict()
-        self._queue: asyncio.Queue[tuple[Job, Path]] = asyncio.Queue()
+        self._work: asyncio.Queue[Callable[[], Awaitable[None]]] = asyncio.Queue()  # jobs, index saves: in order
         self._runner: asyncio.Task[None] | None = None
         self._writing = asyncio.Lock()  # jobs and deletions of this process, one at a time
 
@@ -78,10 +79,13 @@ class Documents:
         self._jobs[job.id] = job
         while len(self._jobs) > JOBS_KEPT and (oldest := next(iter(self._jobs.values()))).finished_at is not None:
             self._jobs.pop(oldest.id)
-        self._queue.put_nowait((job, folder))
-        if self._runner is None:
-            self._runner = asyncio.create_task(self._run_jobs(), name="document-jobs")
+        self._work.put_nowait(functools.partial(self._upload, job, folder))
+        self._start()
         return job
+
+    def _start(self) -> None:
+        if self._runner is None:
+            self._runner = asyncio.create_task(self._run_work(), name="document-jobs")
 
     def job(self, job_id: str) -> Job:
         if (job := self._jobs.get(job_id)) is None:
@@ -127,45 +131,63 @@ class Documents:
             raise StoreUnavailable(str(exc)) from exc
 
     async def delete(self, doc_id: str) -> int:
-        """Delete a document's chunks under the writers' lock and reload before returning: its chunk count."""
+        """Delete a document's chunks under the writers' lock; the service drops what it cached of the collection
+        before this returns (its indexes reload at the next question); BM25 and the pages are saved again after,
+        as the next job: its chunk count."""
         async with self._writing:
             deleted = await self.index.run(self._delete, doc_id)
-            await self.changed()
+            await self.changed(False)
+        self._work.put_nowait(self._save_indexes)
+        self._start()
         return deleted
 
     def _delete(self, doc_id: str) -> int:
-        chroma = self.settings.chroma
-        with write_lock(chroma, self.settings.ingest.lock_timeout_s):
-            with chroma_errors("delete"):
-                collection = self.index.collection
-                ids = collection.get(where={"doc_id": doc_id}, include=[])["ids"]
-                if ids:
-                    collection.delete(ids=ids)
-                    mark_changed(collection)
-                    # Saved again as ingest does at its end: every process loads them, none rebuilds its own.
-                    lexical.current(collection, chroma, write=True)
-                    pages.current(collection, chroma, self.settings.pages, write=True)
+        with write_lock(self.settings.chroma, self.settings.ingest.lock_timeout_s), chroma_errors("delete"):
+            collection = self.index.collection
+            ids = collection.get(where={"doc_id": doc_id}, include=[])["ids"]
+            if ids:
+                collection.delete(ids=ids)
+                mark_changed(collection)
         if not ids:
             raise NotFound(f"no document {doc_id!r} in the collection", param="doc_id", code="document_not_found")
         return len(ids)
+
+    async def _save_indexes(self) -> None:
+        """BM25 and the pages as ingest leaves them at its end, saved: every process loads them, none rebuilds
+        its own (until then, a process that needs them builds them in memory; stale ones are never used)."""
+        async with self._writing:
+            await asyncio.to_thread(self._save_indexes_now)
+
+    def _save_indexes_now(self) -> None:
+        chroma = self.settings.chroma
+        with write_lock(chroma, self.settings.ingest.lock_timeout_s), chroma_errors("index"):
+            collection = open_collection(chroma, self.index.embedder, create=False)
+            lexical.current(collection, chroma, write=True)
+            pages.current(collection, chroma, self.settings.pages, write=True)
 
     async def aclose(self) -> None:
         if self._runner is not None:
             self._runner.cancel()
             await asyncio.gather(self._runner, return_exceptions=True)
 
-    async def _run_jobs(self) -> None:
+    async def _run_work(self) -> None:
         while True:
-            job, folder = await self._queue.get()
+            work = await self._work.get()
             try:
-                async with self._writing:
-                    await self._ingest(job, folder)
-            except Exception as exc:  # the next job still runs
-                job.status, job.error = "failed", f"{type(exc).__name__}: {exc}"
-                log.exception("upload job %s failed", job.id)
-            finally:
-                shutil.rmtree(folder, ignore_errors=True)
-                job.finished_at = job.finished_at or time.time()
+                await work()
+            except Exception:  # the next one still runs
+                log.exception("document work failed")
+
+    async def _upload(self, job: Job, folder: Path) -> None:
+        try:
+            async with self._writing:
+                await self._ingest(job, folder)
+        except Exception as exc:
+            job.status, job.error = "failed", f"{type(exc).__name__}: {exc}"
+            raise
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+            job.finished_at = job.finished_at or time.time()
 
     async def _ingest(self, job: Job, folder: Path) -> None:
         job.status = "running"
@@ -181,7 +203,7 @@ class Documents:
         summary = out.decode(errors="replace").strip().splitlines()
         if child.returncode in (0, 1) and summary:  # 1: some files failed, reported, the rest ingested
             job.report = json.loads(summary[-1])
-            await self.changed()
+            await self.changed(True)
             job.status = "done"
         else:
             job.status = "failed"

@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 
+from app.core import lexical
 from app.serve.app import create_app
 from ingest.pipeline import run_ingest
 from tests.support.corpora import app_settings, write_notes
@@ -74,6 +75,10 @@ def test_uploaded_documents_are_answered_from_when_done_and_never_cited_once_del
         after = cited(server, "When was the harbour of Velmora dredged?")
         gone = httpx.delete(server.url + "/v1/documents/ports/harbour.md", timeout=60)
         remaining = {d["id"] for d in httpx.get(server.url + "/v1/documents", timeout=30).json()["data"]}
+        saved, deadline = lexical.index_dir(settings.chroma), time.monotonic() + 60
+        while any(i.startswith("ports/harbour.md::") for i in lexical.load(saved).ids):  # saved again, after
+            assert time.monotonic() < deadline, "BM25 was not saved again after the deletion"
+            time.sleep(0.1)
     assert first["status"] == "done" and first["files"] == ["ports/harbour.md", "broken.pdf"]
     assert [f["path"] for f in first["report"]["failed"]] == ["broken.pdf"]  # reported, the other ingested
     assert "ports/harbour.md" in before
