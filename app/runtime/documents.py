@@ -95,7 +95,7 @@ class Documents:
 
     async def listed(self) -> list[dict[str, Any]]:
         """Every document the collection holds: id, source file, content hash, chunks (complete or not)."""
-        held = await self.index.run(self._held)
+        held = await asyncio.to_thread(self._held)  # reads every row's metadata: not on the users' threads
         return [{"id": doc_id, "source": entry.source, "hash": entry.doc_hash, "chunks": len(entry.ids),
                  "complete": entry.complete} for doc_id, entry in sorted(held.items())]
 
@@ -104,7 +104,7 @@ class Documents:
         SHA-256 of its bytes, hex) among its files under ``prefix``: ``add`` (not held), ``update`` (held, but
         changed or incomplete), ``unchanged``, and ``delete``: the documents of files held but not listed."""
         names = {checked_name(name): digest.lower() for name, digest in manifest.items()}
-        held = await self.index.run(self._held)
+        held = await asyncio.to_thread(self._held)
         chunking = self.settings.chunking
         identity = pipeline_identity(chunking.size, chunking.overlap, chunking.parent_field,
                                      self.settings.embedding.model)
@@ -135,7 +135,7 @@ class Documents:
         before this returns (its indexes reload at the next question); BM25 and the pages are saved again after,
         as the next job: its chunk count."""
         async with self._writing:
-            deleted = await self.index.run(self._delete, doc_id)
+            deleted = await asyncio.to_thread(self._delete, doc_id)  # seconds for a big one: not a user's thread
             await self.changed(False)
         self._work.put_nowait(self._save_indexes)
         self._start()

@@ -45,7 +45,8 @@ DocumentsDep = Annotated[Documents, Depends(get_documents)]
 
 # In the OpenAPI schema as the bearer scheme; absent or not "Bearer" gives None, and the check below answers 401
 # in OpenAI's error shape (HTTPBearer's own error would be FastAPI's, and 403).
-bearer = HTTPBearer(auto_error=False, description="PREFIXRAG_API_KEY, when the service is started with one.")
+bearer = HTTPBearer(auto_error=False, description="PREFIXRAG_API_KEY, or a tenant's key "
+                    "(PREFIXRAG_SERVICE__KEYS_FILE), when the service has keys.")
 
 
 async def tenant_of(request: Request,

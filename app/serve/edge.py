@@ -24,9 +24,8 @@ UPLOADS = "/v1/documents"  # its bodies are files: their own limit
 
 
 def unauthorized() -> JSONResponse:
-    return JSONResponse(error_body(UNAUTHORIZED,
-                                   "authentication_error", None, "invalid_api_key"),
-                        status_code=401, headers={"WWW-Authenticate": "Bearer"})
+    return JSONResponse(error_body(UNAUTHORIZED, "authentication_error", None, "invalid_api_key"), status_code=401,
+                        headers={"WWW-Authenticate": "Bearer"})
 
 
 def too_large(limit: int, setting: str) -> HTTPException:

@@ -62,7 +62,9 @@ def test_the_api_key_is_a_bearer_scheme_in_the_openapi_schema_and_is_enforced(no
         ready_open, ready_keyed = httpx.get(server.url + "/readyz").json(), httpx.get(server.url + "/readyz",
                                                                                         headers=key).json()
     assert schema["components"]["securitySchemes"]["HTTPBearer"] == {
-        "type": "http", "scheme": "bearer", "description": "PREFIXRAG_API_KEY, when the service is started with one."}
+        "type": "http", "scheme": "bearer",
+        "description": "PREFIXRAG_API_KEY, or a tenant's key (PREFIXRAG_SERVICE__KEYS_FILE), when the service has "
+                       "keys."}
     for path, method in (("/ask", "post"), ("/v1/retrieve", "post"), ("/v1/chat/completions", "post"),
                          ("/v1/documents", "post"), ("/v1/documents", "get"), ("/v1/models", "get"),
                          ("/metrics", "get")):
