@@ -172,13 +172,14 @@ def test_pre_warm_progresses_under_steady_traffic_only_with_a_share_beside_users
     """Three clients asking without pause keep a user request present nearly all the time: pre-warm, which
     otherwise sends only in the moments with none (here: the clients' own gaps between requests), also warms its
     units beside them while vLLM queues nothing (admission 'auto' reads its queue): it gets through its budget of
-    six units in a few seconds, which without a share (0) it does not reach in 20."""
+    about twelve units in a few seconds, which without a share (0) it does not reach in 20 (it warmed 3 units in
+    20 s here, 6 once in CI: the budget leaves room for a slow run's gaps)."""
     import threading
 
     chroma, _ = books
     reset_prefix_cache(vllm_url)
     settings = app_settings(chroma, vllm_url, collection="books", strategy="document", hotness_dir=None,
-                            warm_max_tokens=12_000, warm_beside_users=beside_users, max_tokens=2)
+                            warm_max_tokens=24_000, warm_beside_users=beside_users, max_tokens=2)
     stop, answered = threading.Event(), []
     with AppServer(create_app(settings, embedder=embedder)) as server:
         def client(number: int) -> None:
@@ -203,6 +204,6 @@ def test_pre_warm_progresses_under_steady_traffic_only_with_a_share_beside_users
                 thread.join(120)
     assert set(answered) == {200} and len(answered) > 10
     if beside_users:
-        assert warmup["state"] == "stopped: token budget (12000)" and warmup["units_warmed"] >= 6, warmup
-    else:  # only the clients' gaps: a few units (about one in 8 s on this machine), far from the budget
-        assert warmup["state"] == "warming" and warmup["units_warmed"] < 6, warmup
+        assert warmup["state"] == "stopped: token budget (24000)" and warmup["units_warmed"] >= 12, warmup
+    else:  # only the clients' gaps: a few units (one in 3-7 s on this machine), far from the budget
+        assert warmup["state"] == "warming" and warmup["units_warmed"] < 12, warmup
