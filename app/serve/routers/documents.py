@@ -1,4 +1,4 @@
-"""Documents over HTTP: upload (an ingest job, 202), a job's status, list, delete."""
+"""Documents over HTTP: upload (an ingest job, 202), a job's status, list, sync, delete."""
 
 from __future__ import annotations
 
