@@ -50,13 +50,18 @@ class AskFilters(BaseModel):
     source_prefix: Text | None = Field(None, description="Only chunks whose source path starts with this.")
 
 
-class AskRequest(BaseModel):
+class RetrieveRequest(BaseModel):
+    """``/v1/retrieve``'s body, and the start of ``/ask``'s."""
+
     model_config = ConfigDict(extra="forbid", strict=True)  # "stream": 0 or "top_k": "5" are errors, not guesses
     question: Text = Field(description="The question, in natural language (some non-space text).",
                            json_schema_extra={"minLength": 1, "pattern": r"\S"})  # checked by the service
     top_k: TopK | None = Field(None, description="Chunks to retrieve (1..PREFIXRAG_LIMITS__MAX_TOP_K, "
                               "at most 100).")
     filters: AskFilters | None = None
+
+
+class AskRequest(RetrieveRequest):
     max_tokens: AnswerTokens | None = Field(None, description="Cap on answer tokens.")
     stream: bool = Field(False, description="Stream Server-Sent Events: deltas, then a final 'done' event.")
 
@@ -113,27 +118,11 @@ class AskResponse(BaseModel):
 
 
 # --- /v1/retrieve -----------------------------------------------------------------------------------------
-class RetrieveRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-    question: Text = Field(description="What to rank the collection's chunks for (some non-space text).",
-                           json_schema_extra={"minLength": 1, "pattern": r"\S"})  # checked by the service
-    top_k: TopK | None = Field(None, description="Chunks to return (1..PREFIXRAG_LIMITS__MAX_TOP_K, at most 100).")
-    filters: AskFilters | None = None
+class RetrievedChunk(Source):
+    """A ranked chunk as a source of ``/ask`` shows it, with its whole text and the stable unit it belongs to."""
 
-
-class RetrievedChunk(BaseModel):
-    """A ranked chunk, its whole text, and the stable unit it belongs to."""
-
-    rank: int = Field(description="1 for the most relevant.")
     id: str = Field(description="document::chunk, as a prompt shows a chunk on its own.")
-    chunk_id: str = Field(description="The chunk's stable id in the store (document::chunk::content hash).")
-    document: str = Field(description="Document id (path relative to the ingest root, or record id).")
-    title: str
-    headings: str = Field("", description="The section the chunk is in (headings joined by ' > ').")
-    page: int | None = Field(None, description="1-based PDF page (null: not from a PDF).")
-    chunk_index: int
-    score: float = Field(description="Relevance, higher first (as a source's score in /ask).")
-    snippet: str = Field(description="The start of the text, for a list of results.")
+    rank: int = Field(description="1 for the most relevant.")
     text: str = Field(description="The chunk's whole text.")
     unit: str = Field(description="The stable unit the chunk belongs to: the page of small documents it was "
                       "grouped into, its document, or the window of a big one (document@start:size); the unit "
@@ -147,10 +136,8 @@ class RetrieveResponse(BaseModel):
 
 
 def retrieved_chunks(hits: list[ContextChunk], units: list[str]) -> list[RetrievedChunk]:
-    return [RetrievedChunk(rank=n, id=c.cite_id, chunk_id=c.id, document=c.doc_id, title=c.title,
-                           headings=c.headings, page=c.page if c.page > 0 else None, chunk_index=c.chunk_index,
-                           score=c.score, snippet=c.snippet(), text=c.text, unit=unit)
-            for n, (c, unit) in enumerate(zip(hits, units, strict=True), start=1)]
+    return [RetrievedChunk(**source.model_dump(), rank=n, text=chunk.text, unit=unit)
+            for n, (chunk, unit, source) in enumerate(zip(hits, units, sources_of(hits, {}), strict=True), start=1)]
 
 
 # --- OpenAI: models ---------------------------------------------------------------------------------------
