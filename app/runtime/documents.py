@@ -26,7 +26,7 @@ from typing import Any, BinaryIO, Literal
 from app.core import lexical, pages
 from app.core.errors import BadRequest, NotFound, StoreUnavailable, UnsupportedMediaType
 from app.core.records import DOCUMENT_SUFFIXES, file_hash, pipeline_identity
-from app.core.settings import Settings
+from app.core.settings import Settings, environment_of
 from app.core.settings_names import LEGACY, PREFIX
 from app.core.store import (
     CollectionMissing,
@@ -215,12 +215,10 @@ class Documents:
         """This process's environment, its settings of what ingest reads in place of any ``PREFIXRAG_`` (or
         legacy ``RAG_``) value."""
         env = {name: value for name, value in os.environ.items() if not name.startswith((PREFIX, LEGACY))}
-        for section in CHILD_SECTIONS:
-            for name, value in getattr(self.settings, section).model_dump(mode="json").items():
-                if value is not None:
-                    text = json.dumps(value) if isinstance(value, (list, dict)) else str(value)
-                    env[f"{PREFIX}{section.upper()}__{name.upper()}"] = text
-        return env
+        return env | environment_of({
+            f"{section}.{name}": json.dumps(value) if isinstance(value, (list, dict)) else value
+            for section in CHILD_SECTIONS
+            for name, value in getattr(self.settings, section).model_dump(mode="json").items()})
 
 
 def _stage(folder: Path, files: list[tuple[str, BinaryIO]]) -> None:
