@@ -50,13 +50,13 @@ bearer = HTTPBearer(auto_error=False, description="PREFIXRAG_API_KEY, or a tenan
 
 
 async def tenant_of(request: Request,
-                    credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]) -> Tenant | None:
+                    _: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]) -> Tenant | None:
     """The caller's tenant (``app.serve.tenants``; None: no valid key); a request with a body was resolved at
-    the edge (``app.serve.edge``), before its body was read."""
+    the edge (``app.serve.edge``), before its body was read. (``bearer`` only declares the scheme.)"""
     if (tenant := getattr(request.state, "tenant", None)) is not None:
         return tenant  # type: ignore[no-any-return]
     tenants: Tenants = request.app.state.tenants
-    return tenants.of(f"Bearer {credentials.credentials}" if credentials is not None else "")
+    return tenants.of(request.headers.get("authorization", ""))
 
 
 MaybeTenant = Annotated[Tenant | None, Depends(tenant_of)]
