@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from app.core.records import DOCUMENT_SUFFIXES
 from app.core.version import add_version
 
 if TYPE_CHECKING:
@@ -27,7 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m ingest", description="Load, chunk, embed and upsert documents into Chroma (idempotent).",
         epilog=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("paths", nargs="+", type=Path, metavar="PATH",
-                        help="files or folders (.md .markdown .txt .rst .html .htm .pdf .jsonl)")
+                        help=f"files or folders ({' '.join(DOCUMENT_SUFFIXES)})")
     parser.add_argument("--collection", help="Chroma collection name (default: PREFIXRAG_COLLECTION or 'docs')")
     where = parser.add_mutually_exclusive_group()
     where.add_argument("--chroma-path", type=Path, help="on-disk Chroma directory (default ./data/chroma)")
