@@ -51,22 +51,19 @@ def finished(client: httpx.Client, response: httpx.Response, timeout_s: float = 
     return job, time.perf_counter()
 
 
-def raw_encoder_rate(chroma: Path, collection: str) -> tuple[float, int]:
-    """Chunks a second the encoder alone embeds, over the collection's own distinct texts in ingest's batches."""
+def raw_encoder_over(chroma: Path, collection: str) -> tuple[float, int]:
+    """``bench.ingest``'s ceiling over the uploaded collection: the encoder alone, in ingest's batches."""
     from app.core.embedder import Embedder
     from app.core.settings import Settings
     from app.core.store import open_collection
+    from bench.ingest import raw_encoder_rate
 
     settings = Settings(_env_file=None)
     settings.chroma.path, settings.chroma.collection = chroma, collection
     embedder = Embedder(settings.embedding)
     embedder.embed(["warm the encoder up"])
-    texts = list(dict.fromkeys(open_collection(settings.chroma, embedder, create=False)
-                               .get(include=["documents"])["documents"]))
-    started = time.perf_counter()
-    for start in range(0, len(texts), settings.ingest.write_batch):
-        embedder.embed(texts[start:start + settings.ingest.write_batch])
-    return len(texts) / (time.perf_counter() - started), len(texts)
+    return raw_encoder_rate(embedder, open_collection(settings.chroma, embedder, create=False),
+                            settings.ingest.write_batch)
 
 
 def chroma_delete_seconds(rows: int, others: int, tmp: Path) -> float:
@@ -123,7 +120,7 @@ def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         app.stop()
         if args.app_log:
             shutil.copyfile(tmp / "app.log", args.app_log)
-    encoder_rate, distinct = raw_encoder_rate(tmp / "chroma", collection)
+    encoder_rate, distinct = raw_encoder_over(tmp / "chroma", collection)
     embedded = job["report"]["chunks_embedded"]
     alone_s = chroma_delete_seconds(deleted.json()["chunks"], embedded, tmp)
     return {

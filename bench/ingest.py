@@ -29,6 +29,16 @@ def corpus_bytes(root: Path) -> int:
     return sum(path.stat().st_size for path, _ in files)
 
 
+def raw_encoder_rate(embedder: Any, collection: Any, batch: int) -> tuple[float, int]:
+    """Chunks a second the encoder alone embeds over the collection's distinct texts (ingest embeds each once),
+    in the writer's batches: the ceiling, ingest being encoder-bound; and how many texts that was."""
+    texts = list(dict.fromkeys(collection.get(include=["documents"])["documents"]))
+    started = time.perf_counter()
+    for start in range(0, len(texts), batch):
+        embedder.embed(texts[start:start + batch])
+    return len(texts) / (time.perf_counter() - started), len(texts)
+
+
 def cli_reingest_seconds(data: Path, chroma: Path, collection: str) -> float:
     """Wall time of ``python -m ingest DATA`` on the already-ingested store (it must write nothing)."""
     env = os.environ | {"PREFIXRAG_CHROMA_PATH": str(chroma), "PREFIXRAG_COLLECTION": collection}
@@ -61,17 +71,11 @@ def main(argv: list[str] | None = None) -> int:
         settings.chroma.path, settings.chroma.collection = Path(tmp) / "chroma", "bench-ingest"
         first = run_ingest([args.data], settings, embedder)
         collection = open_collection(settings.chroma, embedder, create=False)
-        texts = collection.get(include=["documents"])["documents"]
-        unique = list(dict.fromkeys(texts))  # ingest embeds each distinct text once; so does the ceiling
-        started = time.perf_counter()
-        for start in range(0, len(unique), settings.ingest.write_batch):  # same batches as the writer
-            embedder.embed(unique[start:start + settings.ingest.write_batch])
-        encoder_s = time.perf_counter() - started
+        encoder_rate, _ = raw_encoder_rate(embedder, collection, settings.ingest.write_batch)
         again = run_ingest([args.data], settings, embedder)
         cli_s = cli_reingest_seconds(args.data, settings.chroma.path, settings.chroma.collection)
     size = corpus_bytes(args.data)
     ingest_rate = first.chunks_embedded / first.seconds
-    encoder_rate = len(unique) / encoder_s
     result: dict[str, Any] = {
         "data": str(args.data), "files": first.files_seen, "failed": len(first.failed), "chunks": first.chunks_written,
         "chunks_embedded": first.chunks_embedded, "bytes": size, "seconds": first.seconds,
