@@ -11,6 +11,7 @@ mkdir -p docker/smoke
 exec > >(tee docker/smoke.log) 2>&1
 say() { printf '[smoke %s] %s\n' "$(date -u +%H:%M:%S)" "$*"; }
 started=$SECONDS
+say "prefixrag $(git describe --always --dirty 2>/dev/null || echo "(not a git checkout)")"
 
 # Docker (the daemon), debootstrap and docker-compose, from Debian.
 missing=()
