@@ -124,8 +124,10 @@ class ContextSettings(BaseModel):
         None, ge=0, description="document strategy: at most this many of the hits outside a leading page follow it, "
         "best-ranked first (None: all). Each is uncached text that attends over the whole page: fewer cost less "
         "prefill and show fewer passages.")
-    max_unit_tokens: int = Field(12288, ge=128,
-                                 description="document strategy: a bigger parent is cut into aligned windows.")
+    max_unit_tokens: int | None = Field(
+        None, ge=128, description="document strategy: a bigger parent is cut into aligned windows of this many "
+        "tokens (auto: nor is a bigger corpus used whole). None, and never more than: half the room the served "
+        "window leaves beside the answer (a 65536-token window gets 32K-token units).")
     hotness_dir: Path | None = Field(Path("./data/hotness"), description="Where unit hotness is persisted (empty: "
                                      "not persisted).")
 

@@ -101,10 +101,14 @@ class ContextPlanner:
     def close(self) -> None:
         self.hotness.close()
 
-    async def prepare(self, info: UpstreamInfo) -> CorpusVerdict | None:
-        """What vLLM serves now sets the units' size (room for the question and answer) and, for ``corpus``
-        and ``auto``, whether the whole collection fits."""
+    def fit_units(self, info: UpstreamInfo) -> None:
+        """What vLLM serves sets the units' size: half the room its window leaves beside the answer, or less
+        where configured (called as vLLM is first seen or changes, before any request is planned)."""
         self.units.limit_to((info.max_model_len - self.answer_tokens) // 2)
+
+    async def prepare(self, info: UpstreamInfo) -> CorpusVerdict | None:
+        """The units' size, and, for ``corpus`` and ``auto``, whether the whole collection fits."""
+        self.fit_units(info)
         if self.settings.strategy not in ("corpus", "auto"):
             return None
         return await self.decide_corpus(info)
@@ -114,7 +118,8 @@ class ContextPlanner:
         count and the text's size; only a corpus near the limit is counted exactly, so a large collection is
         never sent to ``/tokenize``."""
         room = info.max_model_len - self.answer_tokens - QUESTION_HEADROOM_TOKENS
-        limit = min(room, self.settings.max_unit_tokens) if self.settings.strategy == "auto" else room
+        # auto: only a corpus no bigger than a unit (each new token attends over the whole of it)
+        limit = min(room, self.units.max_unit_tokens) if self.settings.strategy == "auto" else room
         verdict = CorpusVerdict(chunks=await self.index.count())
         if verdict.chunks * MIN_CHUNK_TOKENS <= limit:  # else it cannot fit: no chunk renders under that
             chunks = await self.corpus.load()

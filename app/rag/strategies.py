@@ -8,7 +8,7 @@ a prefix vLLM already holds. Each is a setting (PREFIXRAG_CONTEXT__STRATEGY) and
   the page holding most hits comes first, then the hits outside it (at most ``page_extras`` of them).
 - reuse: the top-k set ordered along the longest path already served (bounded trie), the rest canonically.
 - corpus: the whole collection, parent document by parent document, as one fixed prefix, when it fits the window.
-- auto: corpus when it fits the window and max_unit_tokens, else document.
+- auto: corpus when it is no bigger than a unit (max_unit_tokens, or half the window's room), else document.
 """
 
 from __future__ import annotations

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import sys
 import threading
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
@@ -21,6 +22,7 @@ from app.rag.index import CollectionIndex
 from app.rag.lru import AsyncLRU
 
 log = logging.getLogger("prefixrag.units")
+UNKNOWN_WINDOW_UNIT_TOKENS = 4096  # until the served window is known (ContextPlanner.fit_units)
 
 
 def natural_order(chunks: list[ContextChunk]) -> list[ContextChunk]:
@@ -34,8 +36,10 @@ def estimate_tokens(chunks: list[ContextChunk]) -> int:
 class UnitIndex:
     """Fetches parent documents from Chroma (LRU-cached) and cuts them into units that fit."""
 
-    def __init__(self, index: CollectionIndex, max_unit_tokens: int, cache_size: int = 1024) -> None:
-        self.index, self.configured_max, self.max_unit_tokens = index, max_unit_tokens, max_unit_tokens
+    def __init__(self, index: CollectionIndex, max_unit_tokens: int | None, cache_size: int = 1024) -> None:
+        """``max_unit_tokens``: the configured cap (None: the served window's room alone, ``limit_to``)."""
+        self.index, self.configured_max = index, max_unit_tokens or sys.maxsize
+        self.max_unit_tokens = max_unit_tokens or UNKNOWN_WINDOW_UNIT_TOKENS
         self._parents: AsyncLRU[list[ContextChunk]] = AsyncLRU(cache_size)
         self._tagged: AsyncLRU[tuple[str, list[ContextChunk]]] = AsyncLRU(cache_size)  # a hit's unit, tagged
         self._units: AsyncLRU[list[ContextChunk]] = AsyncLRU(cache_size)  # a unit's chunks, tagged: once per unit
