@@ -19,7 +19,7 @@ from app.runtime.upstream import Upstream
 from app.vllm.client import LLMClient
 from bench.ceiling import BlockCacheCeiling
 from bench.fleet import Fleet, difference
-from bench.modes import Record, run_naive, run_prefixrag
+from bench.modes import Record, run_naive, run_naive_fill, run_prefixrag
 from bench.stats import summarise
 
 if TYPE_CHECKING:  # torch: imported only where a harness is created
@@ -86,6 +86,8 @@ class Harness:
         k, warmup_s, service = self.args.top_k, 0.0, None
         if mode == "naive-matched":
             k = await self._matched_k(stream, earlier)
+        elif mode == "naive-fill":  # as many chunks as --fill-tokens holds (bench.long_context)
+            k = 0
         elif mode != "naive":
             service = self.service(mode)
             started = time.perf_counter()
@@ -97,6 +99,9 @@ class Harness:
             warmup_s = time.perf_counter() - started
 
         async def one(question) -> Record:
+            if mode == "naive-fill":
+                return await run_naive_fill(question, self.args.fill_tokens, self.retriever, self.llm,
+                                            self.args.max_tokens)
             if service is None:
                 return await run_naive(question, k, self.retriever, self.llm, self.args.max_tokens)
             return await run_prefixrag(question, k, service, self.args.max_tokens)
@@ -181,7 +186,7 @@ class Harness:
 
     async def _matched_k(self, stream, earlier: list[dict]) -> int:
         """Smallest k at which naive's recall reaches the best prefixrag recall on these questions."""
-        target = max((r["recall"] or 0 for r in earlier if r["mode"] not in ("naive", "naive-matched")), default=0)
+        target = max((r["recall"] or 0 for r in earlier if not r["mode"].startswith("naive")), default=0)
         answerable = [q for q in stream if q.gold]
         ranked = [await self.retriever.retrieve(q.text, MATCH_K_MAX, mode="dense") for q in answerable]
         for k in range(self.args.top_k, MATCH_K_MAX + 1):

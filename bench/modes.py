@@ -1,7 +1,8 @@
 """How each benchmark mode turns a question into a streamed vLLM answer, timed the same way for all.
 
 ``naive`` is LangChain's RAG tutorial layout: instructions + retrieved chunks in relevance order joined by blank
-lines in the system message, the question as the user message. ``prefixrag`` modes go through the service's
+lines in the system message, the question as the user message; ``naive-fill`` is the same layout with as many
+chunks as a long window's budget holds. ``prefixrag`` modes go through the service's
 own path (``Service.answer_stream``), in process.
 """
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from app.core.pages import CHARS_PER_TOKEN
 from app.rag.pipeline import Answer
 from app.rag.requests import Query
 from app.vllm.wire import Completion, Delta
@@ -20,6 +22,7 @@ NAIVE_SYSTEM = (
     "the question. If you don't know the answer, say that you don't know. Use three sentences maximum and keep "
     "the answer concise.\n\n{context}"
 )
+FILL_K_MAX = 1000  # chunks ranked for naive-fill: more than any window this benchmark fills holds
 
 
 @dataclass
@@ -39,6 +42,24 @@ class Record:
 async def run_naive(question, k: int, retriever, llm, max_tokens: int) -> Record:
     started = time.perf_counter()
     ranked = await retriever.retrieve(question.text, k, mode="dense")  # naive RAG: embeddings only
+    return await _naive_answer(question, ranked, llm, max_tokens, started)
+
+
+async def run_naive_fill(question, budget_tokens: int, retriever, llm, max_tokens: int) -> Record:
+    """Naive RAG given a long window: the dense ranking's chunks in relevance order, as many as fit
+    ``budget_tokens`` (estimated at the service's characters per token), as long-context RAG code fills it."""
+    started = time.perf_counter()
+    ranked = await retriever.retrieve(question.text, FILL_K_MAX, mode="dense")
+    chosen, used = [], 0.0
+    for chunk in ranked:
+        used += len(chunk.text) / CHARS_PER_TOKEN
+        if used > budget_tokens:
+            break
+        chosen.append(chunk)
+    return await _naive_answer(question, chosen, llm, max_tokens, started)
+
+
+async def _naive_answer(question, ranked, llm, max_tokens: int, started: float) -> Record:
     context = "\n\n".join(chunk.text for chunk in ranked)
     messages = [{"role": "system", "content": NAIVE_SYSTEM.format(context=context)},
                 {"role": "user", "content": question.text}]

@@ -38,7 +38,7 @@ def report(path: Path) -> str:
     data = json.loads(path.read_text())
     if "server" in data:
         return replay_report(data)
-    if "results" not in data or "question_ids" not in data:  # not bench.prefix_cache's
+    if "results" not in data or "question_ids" not in data or "command" in data:  # not bench.prefix_cache's
         return figures_report(path, data)
     config, env = data["config"], data.get("environment", {})
     where = f", on {env['gpu']}, vLLM {env.get('packages', {}).get('vllm')}" if env.get("gpu") else ""

@@ -5,6 +5,7 @@
 MODEL=${MODEL:-.gpu/llama-3.1-8b-dummy}
 BLOCK=${BLOCK:-16}          # CUDA; the CPU backend needs 128
 PORT=${PORT:-8000}
+MAX_MODEL_LEN=${MAX_MODEL_LEN:-32768}  # the model folder's max_position_embeddings must allow it
 VLLM_EXTRA=${VLLM_EXTRA:-}  # further vLLM flags, e.g. --skip-tokenizer-init or --kv-cache-dtype fp8
 URL=http://127.0.0.1:$PORT
 
@@ -17,7 +18,7 @@ fi
 if ! up; then
   echo "[gpu-vllm] starting vLLM ($MODEL $VLLM_EXTRA) $(date +%T)"
   setsid nohup python3 -m app.vllm.launcher --model "$MODEL" --load-format dummy --block-size "$BLOCK" \
-    --max-model-len 32768 --dev-mode --port "$PORT" -- $VLLM_EXTRA > /var/tmp/vllm.log 2>&1 &
+    --max-model-len "$MAX_MODEL_LEN" --dev-mode --port "$PORT" -- $VLLM_EXTRA > /var/tmp/vllm.log 2>&1 &
   for _ in $(seq 400); do up && break; sleep 1; done
   up || { tail -60 /var/tmp/vllm.log; exit 1; }
   echo "[gpu-vllm] vLLM up $(date +%T)"

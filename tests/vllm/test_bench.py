@@ -57,6 +57,27 @@ def test_harness_end_to_end_on_a_tiny_slice(tmp_path, vllm_url):
 
 
 @pytest.mark.vllm
+def test_long_context_compares_naive_filling_a_books_budget_with_prefixrag_on_whole_books(tmp_path, vllm_url):
+    from bench.long_context import main
+    from bench.report import report
+
+    data = tiny_squad(tmp_path / "tiny")
+    out = tmp_path / "long.json"
+    assert main(["--data", str(data), "--unit-tokens", "128", "--questions", "8", "--concurrency", "1,4",
+                 "--top-k", "2", "--max-tokens", "4", "--vllm-url", vllm_url, "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    cells = {(r["mode"], r["concurrency"]): r for r in result["results"]}
+    assert set(cells) == {(mode, c) for mode in ("naive", "naive-fill", "prefixrag") for c in (1, 4)}
+    assert len(result["books"]) >= 2 and out.with_suffix(".png").stat().st_size > 1000
+    for c in (1, 4):
+        naive, fill, prefixrag = cells["naive", c], cells["naive-fill", c], cells["prefixrag", c]
+        assert naive["errors"] == fill["errors"] == prefixrag["errors"] == 0
+        assert fill["mean_prompt_tokens"] > naive["mean_prompt_tokens"] and fill["recall"] >= naive["recall"]
+        assert prefixrag["hit_rate"] > fill["hit_rate"]  # whole books, pre-warmed: the prompt's bulk hits
+    assert "bench.long_context" in report(out)
+
+
+@pytest.mark.vllm
 def test_throughput_runs_the_app_naive_and_the_replay_of_the_apps_requests(tmp_path, vllm_url):
     """bench.throughput as users would run it: the app as a child over HTTP, its requests captured and replayed
     to vLLM alone, and naive RAG, on the same questions; every arm answered and was measured."""
