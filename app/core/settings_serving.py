@@ -29,7 +29,7 @@ class VLLMSettings(BaseModel):
         "replica's fair share of recent requests more than one affinity key, taken in turn, so that the router can "
         "cache it on more than one replica instead of sending all its traffic to one (off: one key per unit).")
     token_id_prompts: bool = Field(
-        False, description="Opt-in (docs/design.md: token-id prompts). Send a prompt whose head was seen before "
+        True, description="docs/design.md: token-id prompts. Send a prompt whose head was seen before "
         "as token ids (to /v1/completions), the head tokenized once here with the served model's tokenizer, so "
         "vLLM does not re-tokenize a cached prompt on every request. Only where that tokenizer is on this machine "
         "and agrees with vLLM's /tokenize exactly; otherwise prompts go as chats.")

@@ -97,7 +97,7 @@ def test_a_tokenizer_that_disagrees_with_vllm_is_never_used(vllm_url, embedder, 
     asyncio.run(run())
 
 
-def test_off_by_default_or_without_the_served_tokenizer_here_prompts_go_as_chats(vllm_url, embedder, tmp_path):
+def test_switched_off_or_without_the_served_tokenizer_here_prompts_go_as_chats(vllm_url, embedder, tmp_path):
     async def run():
         for options in ({"tokenizer": str(tmp_path / "absent")}, {"enabled": False}):
             client = await Client.open(vllm_url, embedder, **options)
@@ -105,7 +105,7 @@ def test_off_by_default_or_without_the_served_tokenizer_here_prompts_go_as_chats
             await asyncio.sleep(0.5)
             assert not client.prompt_ids.active and await client.ids("first?") is None
             await client.close()
-        assert VLLMSettings.model_fields["token_id_prompts"].default is False
+        assert VLLMSettings.model_fields["token_id_prompts"].default is True  # on where it is exact (long prompts)
 
     asyncio.run(run())
 
