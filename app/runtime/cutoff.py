@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import TypeVar
 
 from app.core.errors import ShuttingDown
@@ -21,11 +21,16 @@ class Cutoff:
     def __init__(self) -> None:
         self._at: float | None = None  # when requests still running are ended (monotonic s)
         self._waiting: dict[object, asyncio.Task[object]] = {}  # a request's key -> the task awaiting its next event
+        self._on_cut: list[Callable[[], None]] = []
 
     def arm(self, seconds: float) -> None:
         """The process is stopping: what still runs after ``seconds`` ends. Safe to call from a signal handler."""
         if self._at is None:
             self._at = time.monotonic() + seconds
+
+    def on_cut(self, callback: Callable[[], None]) -> None:
+        """``callback()`` when the drain time is over: ends what waits elsewhere (a request queued for admission)."""
+        self._on_cut.append(callback)
 
     def over(self) -> bool:
         """Is the drain time over?"""
@@ -41,6 +46,8 @@ class Cutoff:
         self._at = time.monotonic() if self._at is None else min(self._at, time.monotonic())
         for task in list(self._waiting.values()):
             task.cancel()
+        for callback in self._on_cut:
+            callback()
 
     async def guard(self, events: AsyncIterator[Event]) -> AsyncGenerator[Event, None]:
         """``events`` until they end or the drain time is over, whichever is first."""

@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
 from typing import TypeVar
 
-from app.core.errors import Overloaded
+from app.core.errors import Overloaded, ShuttingDown
 from app.runtime.cutoff import Cutoff
 from app.runtime.returns import Returns
 
@@ -68,6 +68,7 @@ class LiveTraffic:
         self._congested = asyncio.Event()  # set while vLLM's last reading showed requests waiting in its queue
         self._refused_at = -math.inf  # when a request was last refused (monotonic s)
         self.cutoff = Cutoff()  # stopping: when requests still running are ended
+        self.cutoff.on_cut(self._end_waits)
         self.returns = Returns()  # refused connections, and when each was told to come back
         self._changed = asyncio.Event()  # set (and replaced) at each reading of vLLM's queue and each freed place
         self.reading_wanted = asyncio.Event()  # a request waits beyond the limit: read vLLM's queue now, not later
@@ -242,6 +243,14 @@ class LiveTraffic:
                 with contextlib.suppress(ValueError):  # already passed over by _set_limit
                     self._waiting.remove(place)
             raise
+
+    def _end_waits(self) -> None:
+        """The drain time is over: a request still queued for a place gets ``ShuttingDown`` (a 503 its client can
+        tell from a crash), not a cut connection when the server closes."""
+        while self._waiting:
+            place = self._waiting.popleft()
+            if not place.done():
+                place.set_exception(ShuttingDown("the service is shutting down; retry shortly"))
 
     def _free_place(self) -> None:
         self.running -= 1

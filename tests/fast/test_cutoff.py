@@ -106,3 +106,33 @@ async def test_a_clients_hang_up_stays_a_cancel_and_is_not_taken_for_the_cut():
     with pytest.raises(asyncio.CancelledError):
         await task
     assert task.cancelled() and closed == ["events closed"]
+
+
+async def test_a_request_queued_for_admission_ends_with_shutting_down_when_the_drain_time_is_over():
+    from app.runtime.traffic import LiveTraffic
+
+    traffic = LiveTraffic(max_in_flight=1, max_queued=4)
+    holding, release = asyncio.Event(), asyncio.Event()
+
+    async def admitted() -> None:
+        async with traffic.slot():
+            holding.set()
+            await release.wait()  # an answer still streaming when the drain ends
+
+    async def queued() -> None:
+        async with traffic.slot():
+            pytest.fail("admitted after the drain time was over")
+
+    first = asyncio.create_task(admitted())
+    await holding.wait()
+    second = asyncio.create_task(queued())
+    await asyncio.sleep(0.05)
+    assert traffic.present == 2 and not second.done()  # waiting for the place the first one holds
+    traffic.cutoff.arm(0.0)
+    traffic.cutoff.cut()
+    with pytest.raises(ShuttingDown):
+        await asyncio.wait_for(second, 1.0)  # before: waited for the place (or the server's cut), no status
+    assert traffic.present == 1
+    release.set()
+    await first
+    assert traffic.present == 0 and traffic.running == 0
