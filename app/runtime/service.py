@@ -7,6 +7,8 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import asdict
+from typing import Any
 
 from app.core.errors import Overloaded, StoreUnavailable, UpstreamUnavailable
 from app.core.metrics import ServiceMetrics
@@ -61,6 +63,13 @@ class Service:
             return await self.pipeline.retrieve(lookup)
         finally:
             self._retrievals -= 1
+
+    async def describe(self) -> dict[str, Any]:
+        """The served collection now: its chunks and generation, readiness, strategy and pre-warm's progress."""
+        index = self.pipeline.index
+        return {"id": index.chroma.collection, "chunks": await index.count(), "generation": await index.generation(),
+                "ready": self.watcher.problem is None, "problem": self.watcher.problem, "strategy": self.planner.name,
+                "warmup": asdict(self.warmer.progress)}
 
     async def _admitted(self, events: AsyncIterator[Delta | Answer]) -> AsyncGenerator[Delta | Answer, None]:
         """Admission (a slot, or 429 at once) around the whole request, and vLLM's health watched. Once a stop's

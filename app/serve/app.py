@@ -77,7 +77,7 @@ def create_app(settings: Settings | None = None, *, embedder: Embedder | None = 
         # headers for the calling page to read it, Retry-After and the request id included.
         app.add_middleware(CORSMiddleware, allow_origins=settings.service.cors_origins, allow_methods=["GET", "POST"],
                            allow_headers=["*"], expose_headers=["X-Request-ID", "Retry-After"], max_age=600)
-    from app.serve.routers import ask, documents, health, openai_chat, openai_completions, page, retrieve
+    from app.serve.routers import ask, collections, documents, health, openai_chat, openai_completions, page, retrieve
 
     app.include_router(health.router)
     app.include_router(ask.router)
@@ -85,5 +85,6 @@ def create_app(settings: Settings | None = None, *, embedder: Embedder | None = 
     app.include_router(openai_completions.router)
     app.include_router(retrieve.router)
     app.include_router(documents.router)
+    app.include_router(collections.router)
     app.include_router(page.router)
     return app

@@ -1,4 +1,5 @@
-"""Wire schemas of documents over HTTP: upload jobs, the documents a collection holds, a deletion."""
+"""Wire schemas of documents over HTTP: upload jobs, the documents a collection holds, a deletion, the
+collection itself."""
 
 from __future__ import annotations
 
@@ -62,3 +63,22 @@ class SyncPlan(BaseModel):
     update: list[str] = Field(description="Files held with other content (or partly written): upload them.")
     unchanged: list[str] = Field(description="Files held as they are: nothing to do.")
     delete: list[str] = Field(description="Documents of files held under the prefix but not listed: delete them.")
+
+
+class CollectionInfo(BaseModel):
+    """A collection the service serves, as it stands now."""
+
+    id: str = Field(description="The collection's name (PREFIXRAG_CHROMA__COLLECTION).")
+    object: Literal["collection"] = "collection"
+    documents: int = Field(description="Documents it holds.")
+    chunks: int = Field(description="Chunks it holds.")
+    generation: str | None = Field(description="Its generation stamp: changes with every ingest, upload or deletion.")
+    ready: bool = Field(description="Questions are answered from it now.")
+    problem: str | None = Field(None, description="Why it is not ready (missing, being ingested, unreadable).")
+    strategy: str = Field(description="The context strategy in use (auto settles on corpus or document).")
+    warmup: dict[str, Any] = Field(description="Pre-warm's progress: state, units planned / warmed / kept, tokens.")
+
+
+class CollectionList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[CollectionInfo]

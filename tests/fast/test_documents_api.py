@@ -111,3 +111,23 @@ def test_a_bad_upload_is_refused_before_anything_is_stored(tmp_path, embedder):
     assert [r.status_code for r in refused] == [415, 400, 413, 404]
     assert ".md" in refused[0].json()["error"]["message"] and refused[0].json()["error"]["param"] == "files"
     assert not {"fine.md", "escape.md", "big.md"} & listed
+
+
+def test_the_collection_is_described_and_its_description_follows_a_deletion(tmp_path, embedder):
+    settings = app_settings(tmp_path / "chroma", "http://unused/v1", collection="described", hotness_dir=None)
+    notes = write_notes(tmp_path / "docs")
+    run_ingest([tmp_path / "docs"], settings, embedder)
+    with AppServer(create_app(settings, embedder=embedder, llm=FakeVLLM())) as server:
+        server.wait_ready()
+        listed = httpx.get(server.url + "/v1/collections", timeout=30).json()["data"]
+        before = httpx.get(server.url + "/v1/collections/described", timeout=30).json()
+        assert httpx.delete(server.url + "/v1/documents/para-001", timeout=60).status_code == 200
+        after = httpx.get(server.url + "/v1/collections/described", timeout=30).json()
+        other = httpx.get(server.url + "/v1/collections/elsewhere", timeout=30)
+    assert [c["id"] for c in listed] == ["described"] and listed[0]["documents"] == before["documents"]
+    assert before["object"] == "collection" and before["documents"] == len(notes) and before["ready"]
+    assert before["chunks"] >= len(notes) and before["strategy"] == settings.context.strategy
+    assert before["warmup"]["state"] and before["problem"] is None
+    assert after["documents"] == len(notes) - 1 and after["chunks"] < before["chunks"]
+    assert after["generation"] != before["generation"]  # what a client watches to know the collection changed
+    assert other.status_code == 404 and other.json()["error"]["code"] == "collection_not_found"

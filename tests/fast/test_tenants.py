@@ -47,14 +47,19 @@ def test_a_key_reads_its_tenants_collections_writes_if_allowed_and_caches_apart(
             "gamma deletes": call(server, "DELETE", "/v1/documents/para-001", "key-gamma").status_code,
             "gamma uploads": call(server, "POST", "/v1/documents", "key-gamma",
                                   files=[("files", ("a.md", b"# A\n"))]).status_code,
+            "beta describes": call(server, "GET", "/v1/collections/notes", "key-beta").status_code,
         }
+        collections = {key: [c["id"] for c in call(server, "GET", "/v1/collections", key).json()["data"]]
+                       for key in ("key-alpha", "key-beta", "key-gamma")}
         alpha = [call(server, "POST", "/ask", "key-alpha", json=question).json()["usage"] for _ in range(2)]
         gamma = call(server, "POST", "/ask", "key-gamma", json=question).json()["usage"]
         chat = call(server, "POST", "/v1/chat/completions", "key-alpha", json={
             "model": "prefixrag", "max_tokens": 4, "cache_salt": "the-client-s-own",
             "messages": [{"role": "user", "content": question["question"]}]})
     assert statuses == {"no key": 401, "unknown key": 401, "beta asks": 404, "beta retrieves": 404,
-                        "beta lists": 404, "gamma lists": 200, "gamma deletes": 403, "gamma uploads": 403}
+                        "beta lists": 404, "gamma lists": 200, "gamma deletes": 403, "gamma uploads": 403,
+                        "beta describes": 404}
+    assert collections == {"key-alpha": ["notes"], "key-beta": [], "key-gamma": ["notes"]}
     assert chat.status_code == 200, chat.text
     salts = fake.salts[-4:]  # alpha, alpha, gamma, alpha's chat
     assert salts[0] == salts[1] == salts[3] and salts[0] not in (None, salts[2]) and salts[2] is not None
