@@ -126,8 +126,8 @@ class ContextSettings(BaseModel):
         "prefill and show fewer passages.")
     max_unit_tokens: int | None = Field(
         None, ge=128, description="document strategy: a bigger parent is cut into aligned windows of this many "
-        "tokens (auto: nor is a bigger corpus used whole). None, and never more than: half the room the served "
-        "window leaves beside the answer (a 65536-token window gets 32K-token units).")
+        "tokens (auto: nor is a bigger corpus used whole); never more than half the room the served window "
+        "leaves beside the answer, which is the default (None): a 65536-token window gets 32K-token units.")
     hotness_dir: Path | None = Field(Path("./data/hotness"), description="Where unit hotness is persisted (empty: "
                                      "not persisted).")
 
