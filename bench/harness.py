@@ -61,6 +61,7 @@ class Harness:
         self.services = await build_services(self.settings, embedder=questions)
         self.retriever, self.llm, self.upstream = self.services.retriever, self.services.llm, self.services.upstream
         await self.services.index.indexes_ready()  # BM25 and pages ready before any timed question
+        await self.services.clients.ranker.prime()  # as the app's readiness does: every ranking worker loaded
         await self.upstream.refresh()
         self.fleet = await Fleet.discover(vllm_url, getattr(args, "replica_metrics", None))
         return self
