@@ -46,7 +46,7 @@ def parse_args(argv):
     where = p.add_mutually_exclusive_group(required=True)
     where.add_argument("--vllm-url", help="a running vLLM server (VLLM_SERVER_DEV_MODE=1) whose window holds a book")
     where.add_argument("--start-vllm", action="store_true", help="start the CPU test model server here")
-    p.add_argument("--max-model-len", type=int, default=16384, help="with --start-vllm")
+    p.add_argument("--max-model-len", type=int, help="with --start-vllm: its window (default: twice a book)")
     p.add_argument("--modes", default="naive,naive-fill,prefixrag", help="comma list of the modes above")
     p.add_argument("--chroma-path", type=Path, help="keep the bench collection here (default: a fresh temp dir)")
     p.add_argument("--out", type=Path, required=True, help="JSON result; a PNG plot is written beside it")
@@ -90,6 +90,8 @@ def mode_name(mode: str, args) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     args.fill_tokens, args.dump_prompts, concurrencies = args.unit_tokens, None, args.concurrency
+    if args.start_vllm:
+        args.max_model_len = args.max_model_len or 2 * args.unit_tokens
     from bench.prefix_cache import _vllm
 
     with tempfile.TemporaryDirectory(prefix="bench-long-") as tmp:
