@@ -107,8 +107,8 @@ class ContextPlanner:
         self.units.limit_to((info.max_model_len - self.answer_tokens) // 2)
 
     async def prepare(self, info: UpstreamInfo) -> CorpusVerdict | None:
-        """The units' size, and, for ``corpus`` and ``auto``, whether the whole collection fits."""
-        self.fit_units(info)
+        """For ``corpus`` and ``auto``: does the whole collection fit (the units' size is fitted already, as
+        vLLM was seen)?"""
         if self.settings.strategy not in ("corpus", "auto"):
             return None
         return await self.decide_corpus(info)

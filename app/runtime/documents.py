@@ -99,6 +99,10 @@ class Documents:
         return [{"id": doc_id, "source": entry.source, "hash": entry.doc_hash, "chunks": len(entry.ids),
                  "complete": entry.complete} for doc_id, entry in sorted(held.items())]
 
+    async def count(self) -> int:
+        """Documents the collection holds (complete or not)."""
+        return len(await asyncio.to_thread(self._held))  # reads every row's metadata: not on the users' threads
+
     async def sync(self, manifest: dict[str, str], prefix: str = "") -> dict[str, list[str]]:
         """What to upload and delete for the collection to hold exactly the files of ``manifest`` (name -> the
         SHA-256 of its bytes, hex) among its files under ``prefix``: ``add`` (not held), ``update`` (held, but

@@ -26,15 +26,22 @@ class Tenant:
     write: bool = True
     cache_salt: str | None = None  # None: the shared prefix cache (no keys, or PREFIXRAG_API_KEY)
 
+    def may_read(self, collection: str) -> bool:
+        return self.collections is None or collection in self.collections
+
     def reads(self, collection: str) -> None:
         """A collection this tenant may not read is not found, as one that does not exist."""
-        if self.collections is not None and collection not in self.collections:
-            raise NotFound(f"collection {collection!r} not found", param="collection", code="collection_not_found")
+        if not self.may_read(collection):
+            raise collection_not_found(collection)
 
     def writes(self, collection: str) -> None:
         self.reads(collection)
         if not self.write:
             raise Forbidden(f"this key may read collection {collection!r} but not change it")
+
+
+def collection_not_found(collection: str) -> NotFound:
+    return NotFound(f"collection {collection!r} not found", param="collection", code="collection_not_found")
 
 
 EVERYONE = Tenant("default")  # no key set: the service is open, one shared cache

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from app.core.errors import NotFound
 from app.runtime.documents import Documents
 from app.runtime.service import Service
-from app.serve.deps import Authorized, DocumentsDep, ServiceDep, SettingsDep, TenantDep
+from app.serve.deps import Authorized, DocumentsDep, Reader, ServiceDep, SettingsDep, TenantDep
 from app.serve.protocol_documents import CollectionInfo, CollectionList
 from app.serve.routers.documents import errors
+from app.serve.tenants import collection_not_found
 
 router = APIRouter(tags=["documents"], dependencies=[Authorized])
 
@@ -19,21 +19,17 @@ router = APIRouter(tags=["documents"], dependencies=[Authorized])
 async def listed(service: ServiceDep, documents: DocumentsDep, settings: SettingsDep,
                  tenant: TenantDep) -> CollectionList:
     """Those this key may read: the served one, or none."""
-    try:
-        tenant.reads(settings.chroma.collection)
-    except NotFound:
-        return CollectionList(data=[])
-    return CollectionList(data=[await described(service, documents)])
+    readable = tenant.may_read(settings.chroma.collection)
+    return CollectionList(data=[await described(service, documents)] if readable else [])
 
 
 @router.get("/v1/collections/{name}", response_model=CollectionInfo, responses=errors(503))
 async def collection(name: str, service: ServiceDep, documents: DocumentsDep, settings: SettingsDep,
-                     tenant: TenantDep) -> CollectionInfo:
+                     _: Reader) -> CollectionInfo:
     if name != settings.chroma.collection:
-        raise NotFound(f"collection {name!r} not found", param="name", code="collection_not_found")
-    tenant.reads(name)
+        raise collection_not_found(name)
     return await described(service, documents)
 
 
 async def described(service: Service, documents: Documents) -> CollectionInfo:
-    return CollectionInfo(**await service.describe(), documents=len(await documents.listed()))
+    return CollectionInfo(**await service.describe(), documents=await documents.count())
