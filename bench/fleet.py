@@ -1,7 +1,7 @@
 """The vLLM servers behind a benchmark's URL: the server itself, or the replicas behind vllm-router (read from
 its ``/workers``, or given with ``--replica-metrics``). Prefix-cache counters are summed over them, caches reset
-on each (through the router a reset would reach only the replica it picks), and each replica's share of the
-requests and prompt tokens is reported."""
+(a KV tier in host memory included) on each (through the router a reset would reach only the replica it picks),
+and each replica's share of the requests and prompt tokens is reported."""
 
 from __future__ import annotations
 
@@ -11,7 +11,10 @@ from app.vllm.prometheus import metric_total
 from app.vllm.wire import replicas_of
 
 COUNTERS = {"hits": "vllm:prefix_cache_hits_total", "queries": "vllm:prefix_cache_queries_total",
-            "requests": "vllm:request_success_total", "prompt_tokens": "vllm:prompt_tokens_total"}
+            "requests": "vllm:request_success_total", "prompt_tokens": "vllm:prompt_tokens_total",
+            # vLLM's KV tier in host memory (KV offloading): tokens looked up there after a GPU miss, and found.
+            "host_hits": "vllm:external_prefix_cache_hits_total",
+            "host_queries": "vllm:external_prefix_cache_queries_total"}
 
 
 class Fleet:
@@ -36,7 +39,8 @@ class Fleet:
 
     async def reset(self) -> None:
         for server in self.servers:
-            response = await self.http.post(f"{server}/reset_prefix_cache")
+            # The host tier too (vLLM's KV offloading), where there is one: no mode starts warm from it.
+            response = await self.http.post(f"{server}/reset_prefix_cache", params={"reset_external": "true"})
             response.raise_for_status()
 
     async def metrics(self) -> dict[str, str]:

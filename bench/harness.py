@@ -121,6 +121,9 @@ class Harness:
             # Requests sent with a hot unit's extra routing key (app.rag.affinity.RouteKeys), and how many units.
             extra = [r.prefix_key for r in records if "." in r.prefix_key]
             result["spread"] = {"requests": len(extra), "units": len({key.split(".")[0] for key in extra})}
+        if counted["host_queries"]:  # vLLM keeps a KV tier in host memory: what the GPU missed and it held
+            result["host_tier"] = {"tokens_looked_up": int(counted["host_queries"]),
+                                   "tokens_loaded": int(counted["host_hits"])}
         result["strategy"] = service.planner.name if service is not None else "naive"
         if service is not None:
             result["warmup"] = asdict(service.warmer.progress)

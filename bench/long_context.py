@@ -11,7 +11,10 @@ whose window is twice a book (``--max-model-len``, e.g. 65536 for 32K-token book
   room beside the answer), so with a window of twice a book a whole book is one unit, pre-warmed before the cell.
 
 Each mode starts from an empty prefix cache (POST /reset_prefix_cache: vLLM in dev mode). Reported per cell:
-TTFT p50/p95, answers/s, gold in the prompt, vLLM's own hit rate, prompt and uncached tokens (bench.stats).
+TTFT p50/p95, answers/s, gold in the prompt, vLLM's own hit rate, prompt and uncached tokens (bench.stats), and
+where vLLM keeps a KV tier in host memory (``--kv-offload-gib``), the prompt tokens loaded from it
+(``host_tier``). ``--order books`` asks the books in turn, so that with a GPU cache of fewer books than the
+corpus every question's book has left the GPU: it is answered from the host tier, or from a cold prefill.
 """
 
 from __future__ import annotations
@@ -42,6 +45,9 @@ def parse_args(argv):
     p.add_argument("--max-tokens", type=int, default=16, help="answer tokens per request")
     p.add_argument("--unit-tokens", type=int, default=32768,
                    help="book size and naive-fill's budget (tokens, estimated at the service's characters per token)")
+    p.add_argument("--order", choices=("shuffled", "books"), default="shuffled",
+                   help="question order: shuffled, or one question per book in turn (each question's book the "
+                   "least recently asked: beyond a GPU cache of a few books, it lives in vLLM's host tier or nowhere)")
     p.add_argument("--warm-piece-tokens", type=int, help="prefixrag's pre-warm piece size (default: the service's)")
     where = p.add_mutually_exclusive_group(required=True)
     where.add_argument("--vllm-url", help="a running vLLM server (VLLM_SERVER_DEV_MODE=1) whose window holds a book")
@@ -79,6 +85,26 @@ def make_books(data: Path, unit_tokens: int, out: Path) -> list[dict]:
     return [{**book, "tokens": round(book["tokens"])} for book in books]
 
 
+def book_of_passage(root: Path) -> dict[str, str]:
+    """Each passage id's book, as ``make_books`` wrote them."""
+    rows = (json.loads(line) for line in (root / "passages.jsonl").read_text(encoding="utf-8").splitlines())
+    return {str(row["passage_id"]): row["context_id"] for row in rows}
+
+
+def books_in_turn(stream: list, book_of: dict[str, str], count: int) -> list:
+    """``count`` questions of ``stream``, one per book in turn (book 0, 1, ..., n-1, 0, ...), each book's in
+    ``stream``'s order: every question's book is the one asked least recently."""
+    queues: dict[str, list] = {}
+    for question in stream:
+        if question.gold:
+            queues.setdefault(book_of[min(question.gold)], []).append(question)
+    ordered: list = []
+    turn = [queues[book] for book in sorted(queues)]
+    while len(ordered) < count and any(turn):
+        ordered += [queue.pop(0) for queue in turn if queue][:count - len(ordered)]
+    return ordered
+
+
 def mode_name(mode: str, args) -> str:
     """``prefixrag`` as the service runs by default (its units follow the served window: half the room beside the
     answer, so a window of twice a book holds a whole book as one unit), pre-warm's piece size where given."""
@@ -98,14 +124,17 @@ def main(argv: list[str] | None = None) -> int:
         root = Path(tmp) / f"{args.data.name}-books-{args.unit_tokens // 1024}k"
         books = make_books(args.data, args.unit_tokens, root)
         dataset = load_dataset(root)
-        stream = sample(dataset.questions, args.questions, args.seed)
+        stream = sample(dataset.questions, len(dataset.questions) if args.order == "books" else args.questions,
+                        args.seed)
+        if args.order == "books":
+            stream = books_in_turn(stream, book_of_passage(root), args.questions)
         with _vllm(args, Path(tmp)) as vllm_url:
             chroma = args.chroma_path or Path(tmp) / "chroma"
-            results = asyncio.run(_run(args, concurrencies, dataset, stream, vllm_url, chroma))
+            results, served = asyncio.run(_run(args, concurrencies, dataset, stream, vllm_url, chroma))
     args.concurrency = concurrencies
     payload = {"command": command_line("bench.long_context", argv),
                "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-               "dataset": dataset.name, "books": books, "question_ids": [q.id for q in stream],
+               "dataset": dataset.name, "books": books, "question_ids": [q.id for q in stream], "served": served,
                "environment": environment(), "results": results}
     write_json(args.out, payload)
     plot(results, args.out.with_suffix(".png"), f"{args.data.name} in books of ~{args.unit_tokens // 1024}K "
@@ -114,10 +143,16 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-async def _run(args, concurrencies: list[int], dataset, stream, vllm_url: str, chroma: Path) -> list[dict]:
+async def _run(args, concurrencies: list[int], dataset, stream, vllm_url: str,
+               chroma: Path) -> tuple[list[dict], dict]:
+    """Every cell's result, and what vLLM serves (its window and its KV cache's tiers, in tokens)."""
+    from dataclasses import asdict
+
     from bench.harness import Harness
 
     harness = await Harness.create(dataset, vllm_url, chroma, args)
+    info = harness.upstream.require()
+    served = {k: v for k, v in asdict(info).items() if k != "special_tokens"}
     results: list[dict] = []
     try:
         for concurrency in concurrencies:
@@ -125,25 +160,26 @@ async def _run(args, concurrencies: list[int], dataset, stream, vllm_url: str, c
             for mode in (m.strip() for m in args.modes.split(",") if m.strip()):
                 result = await harness.run_mode(mode_name(mode, args), stream, results)
                 result |= {"mode": mode, "concurrency": concurrency}
-                print(json.dumps({k: result.get(k) for k in ("mode", "concurrency", "hit_rate", "recall",
+                print(json.dumps({k: result.get(k) for k in ("mode", "concurrency", "hit_rate", "recall", "host_tier",
                                                              "mean_prompt_tokens", "ttft_ms", "throughput_qps")}),
                       flush=True)
                 results.append(result)
     finally:
         await harness.close()
-    return results
+    return results, served
 
 
 def table(results: list[dict]) -> str:
     rows = [f"{'mode':<12}{'c':>4}{'prompt':>8}{'uncached':>9}{'hit':>7}{'ttft p50':>10}{'p95':>8}{'ans/s':>8}"
-            f"{'gold':>7}"]
+            f"{'gold':>7}{'host':>8}"]
     for r in results:
         if "skipped" in r:
             rows.append(f"{r['mode']:<12}{r['concurrency']:>4}  skipped: {r['skipped']}")
             continue
         rows.append(f"{r['mode']:<12}{r['concurrency']:>4}{r['mean_prompt_tokens']:>8.0f}"
                     f"{r['mean_uncached_prompt_tokens']:>9.0f}{r['hit_rate']:>7.3f}{r['ttft_ms']['p50']:>10.0f}"
-                    f"{r['ttft_ms']['p95']:>8.0f}{r['throughput_qps']:>8.2f}{r['recall'] or 0:>7.3f}")
+                    f"{r['ttft_ms']['p95']:>8.0f}{r['throughput_qps']:>8.2f}{r['recall'] or 0:>7.3f}"
+                    f"{r.get('host_tier', {}).get('tokens_loaded', 0):>8}")
     return "\n".join(rows)
 
 

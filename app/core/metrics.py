@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import (
     GC_COLLECTOR,
     PLATFORM_COLLECTOR,
@@ -47,7 +49,15 @@ class ServiceMetrics:
             "prefixrag_retrieval_stage_seconds", "A question's ranking in the ranking workers, by stage: waiting "
             "(for a free worker), hop (to it and back: pickling, the socket, the event loop), encode and search "
             "(Chroma, BM25, the texts; both for its whole batch).", ["stage"], buckets=_STAGE_BUCKETS, registry=r)
+        self.kv_tokens = Gauge("prefixrag_vllm_kv_cache_tokens", "Tokens vLLM's KV cache holds, by tier: gpu (its "
+                               "own cache) and host (its KV offloading tier; 0: none), as last read from vLLM.",
+                               ["tier"], registry=r)
         self._totals: dict[str, list[int]] = {}
+
+    def observe_kv_tiers(self, info: Any) -> None:
+        """Upstream subscriber: the KV cache's tiers as vLLM now serves them (``UpstreamInfo``)."""
+        self.kv_tokens.labels("gpu").set(info.kv_cache_tokens)
+        self.kv_tokens.labels("host").set(info.host_kv_tokens)
 
     def observe_answer(self, strategy: str, prompt_tokens: int, cached_tokens: int, ttft_s: float | None) -> None:
         self.prompt_tokens.labels(strategy).inc(prompt_tokens)

@@ -8,7 +8,7 @@ import re
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, Field, PositiveFloat, field_validator
 from pydantic_settings import NoDecode
 
 ORIGIN = re.compile(r"https?://[^/\s]+")
@@ -85,6 +85,10 @@ class VLLMServerSettings(BaseModel):
     cpu_nice: int = Field(
         5, ge=0, le=19, description="CPU backend: vLLM runs this much nicer than the app, so on a shared machine "
         "the app's own work (HTTP, retrieval, /healthz) is never starved by vLLM's busy cores (0: off).")
+    kv_offload_gib: PositiveFloat | Literal["auto"] | None = Field(
+        None, description="GPU only: a KV tier of this many GiB in pinned host memory (vLLM's native KV "
+        "offloading): blocks the GPU's cache evicts stay there and a prompt that needs them again loads them "
+        "instead of computing them; 'auto': half the host's available memory; None: off.")
     cpu_kvcache_space_gib: int = Field(4, ge=1, description="VLLM_CPU_KVCACHE_SPACE on the CPU backend (GiB).")
     enforce_eager: bool | None = Field(
         None, description="Skip graph capture/compile (default: on for CPU, where start-up drops from ~100 s to "
@@ -141,8 +145,9 @@ class WarmupSettings(BaseModel):
     """Pre-warm: what it may send, how fast, at which priority (``PREFIXRAG_WARMUP__``)."""
 
     kv_share: float = Field(
-        0.8, gt=0, le=1, description="Share of vLLM's KV cache that unit pre-warm may fill (what it fills stays "
-        "evictable: live requests take the least recently used blocks).")
+        0.8, gt=0, le=1, description="Share of vLLM's KV cache that unit pre-warm may fill, its host-memory tier "
+        "included where vLLM has one (what it fills stays evictable: live requests take the least recently used "
+        "blocks).")
     max_tokens: int = Field(
         1 << 21, ge=0, description="Absolute cap on prompt tokens one pre-warm sends (besides the KV share): "
         "bounds its compute on a slow machine whatever the cache size (0: warm only the system prompt).")

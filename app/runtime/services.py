@@ -152,6 +152,7 @@ def assemble(clients: Clients, settings: Settings, metrics: ServiceMetrics) -> S
     planner = ContextPlanner(settings.context, settings.limits.max_tokens, clients.index, builder, clients.llm,
                              clients.settings.chroma.collection, estimator)
     clients.upstream.subscribe(planner.fit_units)
+    clients.upstream.subscribe(metrics.observe_kv_tiers)
     traffic = admission(settings.traffic)
     pipeline = Pipeline(settings.limits, settings.sampling, clients.index, clients.ranker, clients.llm, builder,
                         planner, estimator, metrics, clients.prompt_ids, clients.traces,

@@ -15,6 +15,7 @@ from typing import Any
 from app.core.errors import ServiceError, UpstreamUnavailable
 from app.core.settings import VLLMSettings
 from app.vllm.client import LLMClient
+from app.vllm.kv_tiers import host_tier_gib, host_tier_tokens
 from app.vllm.prometheus import metric_total, parse_metric_labels
 from app.vllm.wire import Replica, UpstreamInfo
 
@@ -116,9 +117,11 @@ class Upstream:
             self.appeared.set()
         self.replicas = replicas
         if not self.reachable:
-            log.info("vLLM ready at %s: model=%s max_model_len=%d block_size=%d prefix_caching=%s%s",
+            log.info("vLLM ready at %s: model=%s max_model_len=%d block_size=%d prefix_caching=%s kv_tokens=%d%s%s",
                      self.settings.url, self.info.model, self.info.max_model_len, self.info.block_size,
-                     self.info.prefix_caching, f" replicas={self._replica_count()}" if replicas is not None else "")
+                     self.info.prefix_caching, self.info.kv_cache_tokens,
+                     f" host_kv_tokens={self.info.host_kv_tokens}" if self.info.host_kv_tokens else "",
+                     f" replicas={self._replica_count()}" if replicas is not None else "")
             self.appeared.set()
         self.reachable, self.reason = True, "ready"
 
@@ -156,8 +159,8 @@ class Upstream:
         return f"{len(self._healthy(self.replicas))}/{len(self.replicas or ())} healthy"
 
     def _read_info(self, models: list[dict[str, Any]], metrics: list[str]) -> UpstreamInfo:
-        """From the model list and each server's metrics; behind a router the KV cache is the replicas' sum
-        (each unit is cached on one replica), the rest is read from the first."""
+        """From the model list and each server's metrics; behind a router the KV cache (each tier) is the
+        replicas' sum (each unit is cached on one replica), the rest is read from the first."""
         wanted = self.settings.model
         names = [m["id"] for m in models]
         if wanted and wanted not in names:
@@ -172,10 +175,12 @@ class Upstream:
             log.error("!!! vLLM prefix caching is OFF (enable_prefix_caching=%s): every prompt pays full "
                       "prefill. Start vLLM with --enable-prefix-caching (python -m app.vllm_server does).",
                       cache.get("enable_prefix_caching"))
+        root = str(card.get("root") or "")
+        host_tokens = sum(host_tier_tokens(host_tier_gib(c), root, c.get("cache_dtype") or "auto") for c in caches)
         return UpstreamInfo(model=card["id"], max_model_len=int(card.get("max_model_len") or 2048),
                             block_size=int(cache.get("block_size") or 16), prefix_caching=prefix_caching,
                             kv_cache_tokens=sum(int(c.get("kv_cache_size_tokens") or 0) for c in caches),
-                            root=str(card.get("root") or ""), replicas=len(metrics))
+                            root=root, replicas=len(metrics), host_kv_tokens=host_tokens)
 
     def status(self) -> UpstreamStatus:
         router = None

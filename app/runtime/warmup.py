@@ -98,7 +98,8 @@ class Warmer:
     async def warm(self, info: UpstreamInfo) -> WarmupProgress:
         """One whole warm-up: the planner decides and plans, then the stable prefix and the units are sent."""
         self.progress, self.warmed_prompts, self._started = WarmupProgress(state="warming"), [], time.monotonic()
-        self.progress.token_budget = min(int(info.kv_cache_tokens * self.settings.kv_share),
+        # Both tiers: what the GPU's cache evicts to host memory stays warm there (app.vllm.kv_tiers).
+        self.progress.token_budget = min(int((info.kv_cache_tokens + info.host_kv_tokens) * self.settings.kv_share),
                                          self.settings.max_tokens)
         with self.background.reads():
             await self._warm_all(info)

@@ -58,6 +58,15 @@ def cpu_dtype(requested: str, flags: set[str] | None = None) -> str:
     return "auto" if not flags or flags & {"avx512_bf16", "amx_bf16"} else "float32"
 
 
+def offload_gib(requested: float | str, meminfo: str = "/proc/meminfo") -> float:
+    """The host KV tier's size: as given, or for 'auto' half the memory the host has available now (GiB)."""
+    if requested != "auto":
+        return float(requested)
+    with open(meminfo) as info:
+        kib = next(int(line.split()[1]) for line in info if line.startswith("MemAvailable:"))
+    return round(kib / (1 << 20) / 2, 1)
+
+
 # The CPU backend's defaults are ours (measured on 2 cores); on a GPU vLLM's own defaults fit the device better.
 CPU_DEFAULTS = {"max_num_batched_tokens": 2048, "max_num_seqs": 16, "enforce_eager": True}
 
@@ -95,6 +104,8 @@ def build_command(cfg: VLLMServerSettings, gpu: bool) -> tuple[list[str], dict[s
     if gpu:
         argv += ["--gpu-memory-utilization", str(cfg.gpu_memory_utilization),
                  "--tensor-parallel-size", str(cfg.tensor_parallel_size)]
+        if cfg.kv_offload_gib:
+            argv += ["--kv-offloading-backend", "native", "--kv-offloading-size", str(offload_gib(cfg.kv_offload_gib))]
     else:
         # CPU backend: KV cache size is set in GiB; on small machines reserving no core halves prefill time.
         # A value the user exported wins over ours.
@@ -118,6 +129,9 @@ def parse_args(argv: list[str] | None) -> tuple[VLLMServerSettings, bool]:
     parser.add_argument("--api-server-count", type=int, help="vLLM front-end processes (default 1)")
     parser.add_argument("--gpu-memory-utilization", type=float,
                         help=f"share of GPU memory vLLM may take (default {cfg.gpu_memory_utilization})")
+    parser.add_argument("--kv-offload-gib", type=lambda v: v if v == "auto" else float(v),
+                        help="GPU only: keep evicted KV blocks in this many GiB of host memory ('auto': half "
+                        "of what is available; default off)")
     parser.add_argument("--dev-mode", action="store_true", help="enable /reset_prefix_cache (benchmarks)")
     parser.add_argument("--dry-run", action="store_true", help="print the command, do not run it")
     parser.add_argument("extra", nargs=argparse.REMAINDER, help="after --: passed to vLLM verbatim")
@@ -137,6 +151,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {invalid_setting(exc)}", file=sys.stderr)
         return 2
     gpu = has_cuda()
+    if cfg.kv_offload_gib and not gpu:  # the CPU backend's KV cache is host memory already
+        print("error: --kv-offload-gib needs a GPU: vLLM's KV offloading moves GPU blocks to host memory",
+              file=sys.stderr)
+        return 2
     argv_vllm, env = build_command(cfg, gpu=gpu)
     nice = 0 if gpu else cfg.cpu_nice
     printable = " ".join(f"{k}={v}" for k, v in env.items()) + " " + shlex.join(argv_vllm)

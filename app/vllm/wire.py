@@ -166,7 +166,8 @@ class UpstreamInfo:
     max_model_len: int
     block_size: int
     prefix_caching: bool
-    kv_cache_tokens: int
+    kv_cache_tokens: int  # the GPU's (or CPU backend's) KV cache, summed over the replicas read directly
     special_tokens: tuple[str, ...] = ()  # the served tokenizer's, kept out of untrusted text
     root: str = ""  # where vLLM loads the model from (/v1/models), a local folder or a hub id
     replicas: int = 1  # the healthy replicas behind vllm-router read directly (1: vLLM itself)
+    host_kv_tokens: int = 0  # its KV tier in host memory (vLLM's KV offloading, app.vllm.kv_tiers); 0: none

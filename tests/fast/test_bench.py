@@ -97,3 +97,18 @@ def test_books_bind_whole_articles_in_order_under_the_budget_and_keep_every_pass
         titles.setdefault(row["context_id"], set()).add(row["title"])
     assert titles == {book["name"]: set(book["articles"]) for book in books}
     assert (tmp_path / "books" / "questions.jsonl").read_text() == (data / "questions.jsonl").read_text()
+
+
+def test_books_in_turn_asks_each_book_once_per_round_so_every_question_finds_its_book_least_recent(tmp_path):
+    from bench.datasets import load_dataset, sample
+    from bench.long_context import book_of_passage, books_in_turn, make_books
+    from tests.support.corpora import tiny_squad
+
+    books = make_books(tiny_squad(tmp_path / "tiny"), 128, tmp_path / "books")
+    book_of = book_of_passage(tmp_path / "books")
+    dataset = load_dataset(tmp_path / "books")
+    stream = sample(dataset.questions, len(dataset.questions), seed=0)
+    asked = [book_of[min(q.gold)] for q in books_in_turn(stream, book_of, 2 * len(books))]
+    names = sorted(book["name"] for book in books)
+    assert len(names) >= 2 and asked == names * 2  # one per book, in turn, twice round
+    assert len(books_in_turn(stream, book_of, 10_000)) == sum(1 for q in stream if q.gold)  # then all that are left

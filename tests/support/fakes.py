@@ -35,6 +35,8 @@ class FakeVLLM(LLMClient):
         self.queries = 0  # prompt tokens seen, as vllm:prefix_cache_queries_total
         self.prompts: list[list[dict]] = []  # every prompt sent, in order
         self.salts: list[str | None] = []  # each one's cache_salt
+        self.offload_gib: float | None = None  # a KV tier in host memory, as vLLM's --kv-offloading-size reports it
+        self.root = ""  # the model folder /v1/models names
 
     @staticmethod
     def render(messages: list[dict]) -> str:
@@ -81,14 +83,15 @@ class FakeVLLM(LLMClient):
         return [hash(token) for token in self.tokens(messages)]
 
     async def list_models(self) -> list[dict]:
-        return [{"id": "fake-vllm", "max_model_len": self.max_model_len}]
+        return [{"id": "fake-vllm", "max_model_len": self.max_model_len, "root": self.root}]
 
     async def special_tokens(self) -> list[str]:
         return []
 
     async def metrics_text(self, replica: str | None = None) -> str:
         return (f'vllm:cache_config_info{{block_size="{BLOCK}",enable_prefix_caching="True",'
-                f'kv_cache_size_tokens="1000000"}} 1.0\nvllm:prefix_cache_queries_total {self.queries}.0\n')
+                f'kv_cache_size_tokens="1000000",kv_offloading_size="{self.offload_gib}"}} 1.0\n'
+                f'vllm:prefix_cache_queries_total {self.queries}.0\n')
 
     async def replicas(self):
         return None
