@@ -43,6 +43,7 @@ class WarmUnit:
     key: str
     pieces: list[list[dict[str, Any]]]
     affinity: str
+    lead: str = ""  # the unit as it opens a question's context (PromptBuilder.lead): where its prompt head ends
 
 
 @dataclass
@@ -201,7 +202,7 @@ class ContextPlanner:
 
     def _warm_unit(self, key: str, chunks: list[ContextChunk], piece_tokens: int) -> WarmUnit:
         pieces = [self.builder.messages(chunks[:end], "") for end in self._piece_ends(chunks, piece_tokens)]
-        return WarmUnit(key, pieces, affinity_key(chunks))
+        return WarmUnit(key, pieces, affinity_key(chunks), self.builder.lead(chunks))
 
     def _piece_ends(self, chunks: list[ContextChunk], piece_tokens: int) -> list[int]:
         """Where to cut ``chunks``: each piece adds to the one before the chunks up to the first boundary past

@@ -157,7 +157,7 @@ def assemble(clients: Clients, settings: Settings, metrics: ServiceMetrics) -> S
     pipeline = Pipeline(settings.limits, settings.sampling, clients.index, clients.ranker, clients.llm, builder,
                         planner, estimator, metrics, clients.prompt_ids, clients.traces,
                         RouteKeys(settings.vllm.spread_hot_units))
-    warmer = Warmer(settings.warmup, planner, clients.llm, estimator, clients.upstream, traffic)
+    warmer = Warmer(settings.warmup, planner, clients.llm, estimator, clients.upstream, traffic, clients.prompt_ids)
     queue = EngineQueue(traffic, clients.upstream, settings.traffic.load_interval_s) if traffic.auto else None
     watcher = CollectionWatcher(clients.index, clients.ranker)
     if isinstance(clients.ranker, RetrievalPool):

@@ -24,6 +24,7 @@ from app.rag.seams import LLM
 from app.runtime.background import Background
 from app.runtime.traffic import LiveTraffic
 from app.runtime.upstream import Upstream
+from app.vllm.prompt_ids import PromptIds
 from app.vllm.wire import UpstreamInfo
 
 log = logging.getLogger("prefixrag.warmup")
@@ -51,8 +52,9 @@ class WarmupProgress:
 
 class Warmer:
     def __init__(self, settings: WarmupSettings, planner: ContextPlanner, llm: LLM, estimator: TokenEstimator,
-                 upstream: Upstream, traffic: LiveTraffic) -> None:
+                 upstream: Upstream, traffic: LiveTraffic, prompt_ids: PromptIds | None = None) -> None:
         self.settings, self.planner, self.llm, self.estimator = settings, planner, llm, estimator
+        self.prompt_ids = prompt_ids  # a warmed unit's prompt head is learnt: its first question goes as token ids
         self.upstream, self.background = upstream, Background(traffic, settings.beside_users)
         self.progress = WarmupProgress()
         self.priority = settings.priority  # dropped (0) if vLLM does not schedule by priority
@@ -158,6 +160,8 @@ class Warmer:
             return
         self._warm[signature] = tokens
         self.progress.units_warmed += 1
+        if self.prompt_ids is not None:
+            await self.prompt_ids.learn(unit.pieces[-1], unit.lead)
 
     def _too_long(self, unit: WarmUnit, exc: ContextTooLong) -> None:
         """A unit whose prompt the window cannot hold (its size was estimated from characters, and this text has

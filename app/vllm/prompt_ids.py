@@ -8,10 +8,10 @@ else all up to the question), tokenizes only the rest and sends the ids to ``/v1
 ``PREFIXRAG_VLLM__TOKEN_ID_PROMPTS=false``.
 
 Exact or unused: a head is used only after its ids, computed here, equalled vLLM's own ``/tokenize`` of a whole
-prompt, in the background (the request that first meets a head goes as a chat, as before); one disagreement turns
-the feature off until vLLM changes. Re-tokenizing from ``MARGIN_TOKENS`` before the head's end keeps merges
-across the cut exact (tokenizers merge within words, never across this many tokens; each head's cut is checked
-once).
+prompt, in the background (the request that first meets a head goes as a chat, as before, unless pre-warm sent
+its unit first and learnt it then); one disagreement turns the feature off until vLLM changes. Re-tokenizing from
+``MARGIN_TOKENS`` before the head's end keeps merges across the cut exact (tokenizers merge within words, never
+across this many tokens; each head's cut is checked once).
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ class PromptIds:
         self._learning: set[bytes] = set()
         self._declined: OrderedDict[bytes, None] = OrderedDict()  # heads whose cut would not re-tokenize alike
         self._tasks: set[asyncio.Task[None]] = set()
+        self._loading: asyncio.Task[None] | None = None  # the served tokenizer's load, after vLLM (re)appeared
 
     @property
     def active(self) -> bool:
@@ -58,7 +59,7 @@ class PromptIds:
         self.heads.clear()
         self._declined.clear()
         if self.settings.token_id_prompts:
-            self._spawn(self._load(self.settings.tokenizer or info.root))
+            self._loading = self._spawn(self._load(self.settings.tokenizer or info.root))
 
     async def ids(self, messages: list[dict[str, Any]], question: str, lead: str = "") -> list[int] | None:
         """The prompt's token ids, exactly as vLLM would make them; None: send it as a chat (no tokenizer here,
@@ -84,16 +85,35 @@ class PromptIds:
             self._spawn(self._learn(messages, *head))
         return ids
 
+    async def learn(self, messages: list[dict[str, Any]], lead: str) -> None:
+        """Learn the head of a prompt sent ahead of the questions that will open with ``lead`` (pre-warm's units),
+        so that the first of them already goes as token ids; checked against vLLM as any head is."""
+        if self._loading is not None and not self._loading.done():  # pre-warm starts as vLLM appears
+            await asyncio.shield(self._loading)
+        if self.tokenizer is None or not lead:
+            return
+        loop = asyncio.get_running_loop()
+        try:
+            _, head = await loop.run_in_executor(self._thread, self._known_ids, messages, "", lead)
+        except Exception as exc:  # the tokenizer dropped meanwhile, or failed on this text: users learn it
+            log.info("a pre-warmed prompt head was not learnt: %s", exc)
+            return
+        if head is None or (key := head[0]) in self.heads or key in self._learning or key in self._declined:
+            return
+        self._learning.add(key)
+        await self._learn(messages, *head)
+
     def close(self) -> None:
         for task in self._tasks:
             task.cancel()
         self._thread.shutdown(wait=False, cancel_futures=True)
         self._learner.shutdown(wait=False, cancel_futures=True)
 
-    def _spawn(self, coroutine: Any) -> None:
+    def _spawn(self, coroutine: Any) -> asyncio.Task[None]:
         task = asyncio.get_running_loop().create_task(coroutine)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return task
 
     def _known_ids(self, messages: list[dict[str, Any]], question: str,
                    lead: str) -> tuple[list[int] | None, tuple[Any, ...] | None]:

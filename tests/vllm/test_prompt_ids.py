@@ -135,3 +135,23 @@ def test_answers_over_token_ids_are_cached_like_chats(collections, vllm_url, emb
     assert by_ids["usage"]["prompt_tokens"] == chat["usage"]["prompt_tokens"]
     assert by_ids["usage"]["cached_tokens"] >= chat["usage"]["prompt_tokens"] // 128 * 128 - 128 > 0
     assert by_ids["answer"]
+
+
+def test_a_pre_warmed_units_first_question_already_goes_as_token_ids(collections, vllm_url, embedder):
+    """Pre-warm learns each unit's prompt head as it sends it: no question pays the chat path to teach it."""
+    settings = app_settings(collections, vllm_url, top_k=4, strategy="document")
+    settings.vllm.token_id_prompts = True
+    with AppServer(create_app(settings, embedder=embedder)) as server:
+        server.wait_ready()
+        deadline = time.monotonic() + 120
+        while (ready := httpx.get(server.url + "/readyz").json())["warmup"]["state"] != "done":
+            assert time.monotonic() < deadline and not ready["warmup"]["state"].startswith(("stopped", "failed"))
+            time.sleep(0.2)
+        assert ready["warmup"]["units_warmed"] >= 1, json.dumps(ready)
+        response = httpx.post(server.url + "/ask", json={"question": "What colour is the sky on Mars?",
+                                                         "max_tokens": 4}, timeout=60)
+        assert response.status_code == 200, response.text
+        metrics = httpx.get(server.url + "/metrics").text
+    forms = {form: float(line.split()[-1]) for form in ("token_ids", "chat") for line in metrics.splitlines()
+             if line.startswith(f'prefixrag_prompts_total{{form="{form}"}}')}
+    assert forms.get("token_ids") == 1 and not forms.get("chat"), forms
