@@ -52,7 +52,7 @@ class WarmupProgress:
 
 class Warmer:
     def __init__(self, settings: WarmupSettings, planner: ContextPlanner, llm: LLM, estimator: TokenEstimator,
-                 upstream: Upstream, traffic: LiveTraffic, prompt_ids: PromptIds | None = None) -> None:
+                 upstream: Upstream, traffic: LiveTraffic, prompt_ids: PromptIds) -> None:
         self.settings, self.planner, self.llm, self.estimator = settings, planner, llm, estimator
         self.prompt_ids = prompt_ids  # a warmed unit's prompt head is learnt: its first question goes as token ids
         self.upstream, self.background = upstream, Background(traffic, settings.beside_users)
@@ -160,8 +160,7 @@ class Warmer:
             return
         self._warm[signature] = tokens
         self.progress.units_warmed += 1
-        if self.prompt_ids is not None:
-            await self.prompt_ids.learn(unit.pieces[-1], unit.lead)
+        await self.prompt_ids.learn(unit.pieces[-1], unit.lead)  # returns at once where token-id prompts are off
 
     def _too_long(self, unit: WarmUnit, exc: ContextTooLong) -> None:
         """A unit whose prompt the window cannot hold (its size was estimated from characters, and this text has

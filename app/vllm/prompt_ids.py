@@ -80,7 +80,7 @@ class PromptIds:
         if ids is not None:
             if key in self.heads:
                 self.heads.move_to_end(key)  # on the loop: the thread only reads the heads
-        elif key not in self._learning and key not in self._declined and len(self._learning) < LEARNING:
+        elif self._unlearnt(key) and len(self._learning) < LEARNING:
             self._learning.add(key)
             self._spawn(self._learn(messages, *head))
         return ids
@@ -98,10 +98,14 @@ class PromptIds:
         except Exception as exc:  # the tokenizer dropped meanwhile, or failed on this text: users learn it
             log.info("a pre-warmed prompt head was not learnt: %s", exc)
             return
-        if head is None or (key := head[0]) in self.heads or key in self._learning or key in self._declined:
+        if head is None or not self._unlearnt(key := head[0]):
             return
         self._learning.add(key)
         await self._learn(messages, *head)
+
+    def _unlearnt(self, key: bytes) -> bool:
+        """Neither known, nor being learnt, nor declined (its cut would not re-tokenize alike)."""
+        return key not in self.heads and key not in self._learning and key not in self._declined
 
     def close(self) -> None:
         for task in self._tasks:
