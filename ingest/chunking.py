@@ -54,6 +54,10 @@ class Chunker:
     def chunk(self, document: SourceDocument) -> list[Chunk]:
         pieces: list[tuple[str, int, Section]] = []
         for section in document.sections:
+            whole = section.text.strip()
+            if whole and self.count(whole) <= self.size:  # the splitter would keep it whole: one count, not a dozen
+                pieces.append((whole, section.start + section.text.find(whole), section))
+                continue
             for part in self.splitter.create_documents([section.text]):
                 start = section.start + part.metadata["start_index"]
                 pieces.extend((text, start + offset, section) for text, offset in self._fit(part.page_content))

@@ -8,12 +8,14 @@ leaves extra or missing chunks that the next run detects and converges from, re-
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
+import multiprocessing
 import time
 from collections import deque
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -74,14 +76,22 @@ def run_ingest(roots: list[Path], settings: Settings, embedder: Any, *, prune: b
         def prepare(path: Path, rel: str) -> FileResult:
             return plan(load(path, rel, settings, identity, by_source), stored, chunker, identity)
 
+        def prepare_apart(path: Path, rel: str) -> tuple[Any, ...]:  # what a chunking process needs of this file
+            known = {doc_id: stored[doc_id] for doc_id in ids_by_source.get(rel, [])}
+            return prepare_in_worker, path, rel, settings, identity, {rel: by_source.get(rel, [])}, known
+
         writer = ChunkWriter(collection, embedder, settings.ingest.write_batch, dry_run, report,
                              before_first_write=lambda: mark_changed(collection))
         try:
-            _write_and_prune(files, prepare, stored, ids_by_source, writer, report, settings, prune, progress)
+            with file_preparers(settings, prepare, prepare_apart) as (submit, depth):
+                _write_and_prune(files, submit, depth, stored, ids_by_source, writer, report, prune, progress)
         except BaseException:
+            with contextlib.suppress(Exception):  # the write in flight lands (or fails) before the stamp moves
+                writer.close()
             if report.writes and not dry_run:  # stamped again: readers that reloaded mid-run reload
                 mark_changed(collection)
             raise
+        writer.close()
         # Stamped again when done (readers that reloaded mid-run reload), and a first run's end lets services answer.
         if not dry_run and (report.writes or first_run_running(collection)):
             mark_changed(collection, run_ended=True)
@@ -92,16 +102,16 @@ def run_ingest(roots: list[Path], settings: Settings, embedder: Any, *, prune: b
     return report
 
 
-def _write_and_prune(files: Any, prepare: Any, stored: dict[str, StoredDocument], ids_by_source: dict[str, list[str]],
-                     writer: ChunkWriter, report: IngestReport, settings: Settings, prune: bool,
+def _write_and_prune(files: Any, submit: Any, depth: int, stored: dict[str, StoredDocument],
+                     ids_by_source: dict[str, list[str]], writer: ChunkWriter, report: IngestReport, prune: bool,
                      progress: Progress) -> None:
     """Ingest every file, then delete what is stale: documents no longer in a file that loaded (or, with
     ``prune``, in no file at all)."""
     seen_docs: set[str] = set()
     loaded_sources: set[str] = set()
     with progress.files(len(files), written=lambda: report.chunks_written) as advance:
-        # Files are loaded and chunked a few ahead on a worker thread while this one embeds and writes.
-        for result in prefetched(files, prepare, depth=settings.ingest.prefetch_files):
+        # Files are loaded and chunked a few ahead (a worker thread, or processes) while this thread embeds and writes.
+        for result in prefetched(files, submit, depth):
             if result.skipped_unchanged:
                 seen_docs.update(ids_by_source[result.rel])
                 report.files_unchanged += 1
@@ -140,16 +150,51 @@ def plan(result: FileResult, stored: dict[str, StoredDocument], chunker: Callabl
     return result
 
 
-def prefetched(items: list[Any], prepare: Any, depth: int) -> Any:
-    """``prepare(*item)`` for each item, in order, at most ``depth`` ahead on one worker thread."""
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="ingest-load") as pool:
-        pending = deque(pool.submit(prepare, *item) for item in items[:depth])
-        for item in items[depth:]:
-            result = pending.popleft().result()
-            pending.append(pool.submit(prepare, *item))
-            yield result
-        while pending:
-            yield pending.popleft().result()
+@contextlib.contextmanager
+def file_preparers(settings: Settings, prepare: Callable[[Path, str], FileResult],
+                   prepare_apart: Callable[[Path, str], tuple[Any, ...]]) -> Iterator[tuple[Any, int]]:
+    """``(submit, depth)``: ``submit(path, rel)`` starts loading and chunking a file and returns its future;
+    ``depth`` files are kept in progress. One worker thread, or ``chunk_processes()`` processes (each with its
+    own copy of the encoder's tokenizer), which are given only the stored documents of the file's own source."""
+    workers = settings.ingest.chunk_processes()
+    if not workers:
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="ingest-load") as thread:
+            yield (lambda path, rel: thread.submit(prepare, path, rel)), settings.ingest.prefetch_files
+        return
+    # spawn: this process may hold CUDA and threads, which a forked child must not inherit
+    with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        yield (lambda path, rel: pool.submit(*prepare_apart(path, rel))), max(settings.ingest.prefetch_files,
+                                                                             2 * workers)
+
+
+_worker_chunker: Chunker | None = None  # a chunking process's own, built on its first changed file
+
+
+def prepare_in_worker(path: Path, rel: str, settings: Settings, identity: str,
+                      by_source: dict[str, list[StoredDocument]], stored: dict[str, StoredDocument]) -> FileResult:
+    """``prepare`` in a chunking process: the file loaded, its documents hashed and the changed ones chunked with
+    the encoder's tokenizer, loaded here on the CPU (the tokenizer is all it uses of it)."""
+    from app.core.embedder import Embedder
+
+    def chunker() -> Chunker:
+        global _worker_chunker
+        if _worker_chunker is None:
+            cpu = settings.embedding.model_copy(update={"device": "cpu"})
+            _worker_chunker = chunker_for(settings, Embedder(cpu))
+        return _worker_chunker
+
+    return plan(load(path, rel, settings, identity, by_source), stored, chunker, identity)
+
+
+def prefetched(items: list[Any], submit: Callable[..., Future[Any]], depth: int) -> Any:
+    """``submit(*item)``'s result for each item, in order, at most ``depth`` in progress."""
+    pending = deque(submit(*item) for item in items[:depth])
+    for item in items[depth:]:
+        result = pending.popleft().result()
+        pending.append(submit(*item))
+        yield result
+    while pending:
+        yield pending.popleft().result()
 
 
 def _ingest_file(result: FileResult, stored: dict[str, StoredDocument], writer: ChunkWriter,
@@ -162,6 +207,8 @@ def _ingest_file(result: FileResult, stored: dict[str, StoredDocument], writer: 
         report.warnings.extend(f"{result.rel}: {w}" for w in document.warnings)
         seen_docs.add(document.doc_id)
         previous = stored.get(document.doc_id)
+        if chunks is not None and is_unchanged(previous, doc_hash):  # moved from another file: a process chunked it
+            chunks = None
         if chunks is None:
             assert previous is not None  # only a stored document can be unchanged
             statuses.add("unchanged")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,12 +41,16 @@ class ChunkWriter:
         self.vectors: dict[str, np.ndarray] = {}  # content hash -> embedding, this run and re-used stored ones
         self.buffer: list[tuple[str, Chunk, dict[str, Any]]] = []
         self.pending: dict[str, _Pending] = {}
+        # Chroma's writes run on a thread of their own, so the encoder embeds the next batch meanwhile.
+        self._writes = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ingest-write")
+        self._in_flight: Future[None] | None = None
 
     def add_document(self, document: SourceDocument, chunks: list[Chunk], doc_hash: str,
                      previous_ids: list[str]) -> None:
         new_ids = {chunk.chunk_id for chunk in chunks}
         self.pending[document.doc_id] = _Pending(new_ids, [i for i in previous_ids if i not in new_ids], len(chunks))
         if previous_ids and not self.dry_run:
+            self._settled()
             self._remember_stored(previous_ids)
         for chunk in chunks:
             self.buffer.append((document.doc_id, chunk, chunk_metadata(document, chunk, doc_hash, len(chunks))))
@@ -60,10 +65,25 @@ class ChunkWriter:
                 self.vectors.setdefault(meta["content_hash"], np.asarray(vector, dtype=np.float32))
 
     def flush(self) -> None:
-        """Write everything buffered, in writes of at most ``batch`` rows (one document may be far larger)."""
+        """Write everything buffered, in writes of at most ``batch`` rows (one document may be far larger), and
+        wait until the last write is stored."""
         buffered, self.buffer = self.buffer, []
         for batch in self._batches(buffered):
             self._write(batch)
+        self._settled()
+
+    def close(self) -> None:
+        """Wait for the write in flight (its error, if any, is raised) and stop the writing thread."""
+        try:
+            self._settled()
+        finally:
+            self._writes.shutdown(wait=True)
+
+    def _settled(self) -> None:
+        """The write in flight stored (or its error raised here): the collection is as this thread left it."""
+        in_flight, self._in_flight = self._in_flight, None
+        if in_flight is not None:
+            in_flight.result()
 
     def _batches(self, items: list[Any]) -> Iterator[list[Any]]:
         """``items`` in slices Chroma accepts: every read and write here goes through this."""
@@ -71,7 +91,13 @@ class ChunkWriter:
             yield items[start:start + self.batch]
 
     def _write(self, batch: list[tuple[str, Chunk, dict[str, Any]]]) -> None:
+        """Embed this batch here while the one before is stored on the writing thread, then hand it over: one
+        write in flight, in order (the write order is what crash safety rests on)."""
         self._embed_missing([chunk for _, chunk, _ in batch])
+        self._settled()
+        self._in_flight = self._writes.submit(self._store, batch)
+
+    def _store(self, batch: list[tuple[str, Chunk, dict[str, Any]]]) -> None:
         if not self.dry_run:
             self._changing()
             try:
@@ -115,6 +141,7 @@ class ChunkWriter:
         """Record a new file hash on chunks whose content did not change (a metadata-only write)."""
         if self.dry_run:
             return
+        self._settled()
         self._changing()
         for batch in self._batches(ids):
             current = self.collection.get(ids=batch, include=["metadatas"])
@@ -123,6 +150,7 @@ class ChunkWriter:
         self.report.chunks_relabeled += len(ids)
 
     def delete_documents(self, ids_by_doc: dict[str, list[str]]) -> None:
+        self._settled()
         self._delete([chunk_id for ids in ids_by_doc.values() for chunk_id in ids])
 
     def _delete(self, ids: list[str]) -> None:

@@ -119,3 +119,22 @@ class IngestSettings(BaseModel):
     max_file_mb: float = Field(50.0, gt=0, description="Files larger than this are skipped and reported.")
     prefetch_files: int = Field(4, ge=1, description="Files loaded and chunked ahead while the encoder runs.")
     progress_s: float = Field(10.0, gt=0, description="Seconds between progress lines when stderr is no terminal.")
+    chunk_workers: int | Literal["auto"] = Field(
+        "auto", description="Processes that load and chunk files beside the encoder (0: one thread of this process; "
+        "auto: none below 8 cores, else a quarter of them, at most 8).")
+
+    @field_validator("chunk_workers")
+    @classmethod
+    def _workers_not_negative(cls, value: int | str) -> int | str:
+        if isinstance(value, int) and value < 0:
+            raise ValueError("chunk_workers must be 0 or more (or 'auto')")
+        return value
+
+    def chunk_processes(self) -> int:
+        """How many chunking processes run: ``chunk_workers``, with 'auto' decided by the cores this process may
+        use (chunking counts tokens a dozen times per chunk: on a GPU host one thread cannot keep the encoder
+        busy; on a small machine the encoder is the limit and processes would only compete with it)."""
+        if self.chunk_workers != "auto":
+            return self.chunk_workers
+        cores = len(os.sched_getaffinity(0))
+        return 0 if cores < 8 else min(8, cores // 4)

@@ -112,3 +112,32 @@ def test_books_in_turn_asks_each_book_once_per_round_so_every_question_finds_its
     names = sorted(book["name"] for book in books)
     assert len(names) >= 2 and asked == names * 2  # one per book, in turn, twice round
     assert len(books_in_turn(stream, book_of, 10_000)) == sum(1 for q in stream if q.gold)  # then all that are left
+
+
+def test_the_scale_corpus_is_the_gold_among_seeded_distractors_that_grow_without_changing(tmp_path):
+    """bench.scale's corpus: the gold file as it is, distractors of real sentences, the same first documents at any
+    size (a larger size only adds), and a rebuild of the same size rewrites nothing."""
+    import json
+
+    from bench.scale_corpus import build_corpus, sentences_of
+
+    gold = tmp_path / "passages.jsonl"
+    gold.write_text('{"passage_id": "A#0", "text": "Gold."}\n')
+    pool = sentences_of("The first sentence is here. A second one follows it now! Too short. " * 3)
+    assert pool[:2] == ["The first sentence is here.", "A second one follows it now!"] and "Too short." not in pool
+
+    def rows(folder):
+        return [json.loads(line) for path in sorted(folder.glob("distractors-*.jsonl"))
+                for line in path.read_text().splitlines()]
+
+    counts = build_corpus(gold, pool, 5, tmp_path / "small")
+    assert counts == {"gold_documents": 1, "distractor_documents": 5}
+    assert (tmp_path / "small" / "gold.jsonl").read_text() == gold.read_text()
+    small = rows(tmp_path / "small")
+    build_corpus(gold, pool, 8, tmp_path / "large")
+    assert rows(tmp_path / "large")[:5] == small and len(rows(tmp_path / "large")) == 8
+    assert all(len(row["text"].split()) >= 100 and row["id"].startswith("noise-") for row in small)
+    shard = next((tmp_path / "small").glob("distractors-*.jsonl"))
+    before = shard.stat().st_mtime_ns
+    build_corpus(gold, pool, 5, tmp_path / "small")
+    assert shard.stat().st_mtime_ns == before

@@ -277,3 +277,37 @@ print(errors)
 """
     done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip().splitlines()[-1] == "[]", done.stdout + done.stderr
+
+
+def test_chunking_processes_store_what_one_thread_stores(tmp_path, settings_factory, embedder):
+    """``chunk_workers`` (a GPU host's default): the same chunks, ids and metadata as one thread; a record moved to
+    another file is still known unchanged, although a process sees only its own file's stored documents."""
+    corpus = write_corpus(tmp_path / "corpus")
+    one, apart = settings_factory(path=tmp_path / "one"), settings_factory(path=tmp_path / "apart")
+    apart.ingest.chunk_workers = 2
+    assert apart.ingest.chunk_processes() == 2 and one.ingest.chunk_processes() == 0  # auto: none on 2 cores
+    run_ingest([corpus], one, embedder)
+    first = run_ingest([corpus], apart, embedder)
+    assert first.files_added == 5 and snapshot(one, embedder) == snapshot(apart, embedder)
+    records = [json.loads(line) for line in (corpus / "animals.jsonl").read_text().splitlines()]
+    (corpus / "animals.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records[:2]))
+    (corpus / "bees.jsonl").write_text(json.dumps(records[2]) + "\n")  # Bees#0 moved to a file of its own
+    reports = [run_ingest([corpus], settings, embedder) for settings in (one, apart)]
+    assert reports[1].chunks_embedded == reports[1].chunks_written == 0
+    assert [vars(r) | {"seconds": 0} for r in reports[1:]] == [vars(reports[0]) | {"seconds": 0}]
+    assert snapshot(one, embedder) == snapshot(apart, embedder)
+
+
+def test_a_section_that_fits_one_chunk_is_cut_as_the_splitter_would_cut_it(settings_factory, embedder):
+    """The chunker's short cut (one token count for a section that fits) stores exactly what langchain's splitter
+    makes of it: the same text, stripped, at the same offset."""
+    from ingest.documents import SourceDocument, sections_from_blocks
+    from ingest.pipeline import chunker_for
+
+    chunker = chunker_for(settings_factory(), embedder)
+    for text in ["Padded short text.", "One paragraph.\n\n\n\nAnother, after blank lines.", "x " * 150]:
+        # a second section starts with the blank line that separates it: stripped, its offset moves past it
+        document = SourceDocument("d", "d.txt", "", sections_from_blocks([((), "First.", None), ((), text, None)]), "d")
+        expected = [(p.page_content, section.start + p.metadata["start_index"]) for section in document.sections
+                    for p in chunker.splitter.create_documents([section.text])]
+        assert [(c.text, c.start) for c in chunker.chunk(document)] == expected
