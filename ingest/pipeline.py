@@ -37,6 +37,8 @@ from ingest.files import FileResult, discover, load
 from ingest.report import IngestReport, Progress
 from ingest.writer import ChunkWriter
 
+PROCESSES_FROM_BYTES = 4_000_000  # a run smaller than this chunks on one thread (an upload of a few files)
+
 
 def chunker_for(settings: Settings, embedder: Any) -> Chunker:
     # Its own tokenizer copy: chunking runs on a worker thread while the encoder tokenizes on the caller's.
@@ -83,7 +85,7 @@ def run_ingest(roots: list[Path], settings: Settings, embedder: Any, *, prune: b
         writer = ChunkWriter(collection, embedder, settings.ingest.write_batch, dry_run, report,
                              before_first_write=lambda: mark_changed(collection))
         try:
-            with file_preparers(settings, prepare, prepare_apart) as (submit, depth):
+            with file_preparers(files, settings, prepare, prepare_apart) as (submit, depth):
                 _write_and_prune(files, submit, depth, stored, ids_by_source, writer, report, prune, progress)
         except BaseException:
             with contextlib.suppress(Exception):  # the write in flight lands (or fails) before the stamp moves
@@ -151,12 +153,13 @@ def plan(result: FileResult, stored: dict[str, StoredDocument], chunker: Callabl
 
 
 @contextlib.contextmanager
-def file_preparers(settings: Settings, prepare: Callable[[Path, str], FileResult],
+def file_preparers(files: list[tuple[Path, str]], settings: Settings, prepare: Callable[[Path, str], FileResult],
                    prepare_apart: Callable[[Path, str], tuple[Any, ...]]) -> Iterator[tuple[Any, int]]:
     """``(submit, depth)``: ``submit(path, rel)`` starts loading and chunking a file and returns its future;
-    ``depth`` files are kept in progress. One worker thread, or ``chunk_processes()`` processes (each with its
-    own copy of the encoder's tokenizer), which are given only the stored documents of the file's own source."""
-    workers = settings.ingest.chunk_processes()
+    ``depth`` files are kept in progress. One worker thread, or, for a large enough run, ``chunk_processes()``
+    processes (each with its own copy of the encoder's tokenizer, seconds to start), which are given only the
+    stored documents of the file's own source."""
+    workers = settings.ingest.chunk_processes() if _bytes(files) >= PROCESSES_FROM_BYTES else 0
     if not workers:
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="ingest-load") as thread:
             yield (lambda path, rel: thread.submit(prepare, path, rel)), settings.ingest.prefetch_files
@@ -165,6 +168,12 @@ def file_preparers(settings: Settings, prepare: Callable[[Path, str], FileResult
     with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn")) as pool:
         yield (lambda path, rel: pool.submit(*prepare_apart(path, rel))), max(settings.ingest.prefetch_files,
                                                                              2 * workers)
+
+
+def _bytes(files: list[tuple[Path, str]]) -> int:
+    with contextlib.suppress(OSError):
+        return sum(path.stat().st_size for path, _ in files)
+    return 0
 
 
 _worker_chunker: Chunker | None = None  # a chunking process's own, built on its first changed file

@@ -279,12 +279,13 @@ print(errors)
     assert done.returncode == 0 and done.stdout.strip().splitlines()[-1] == "[]", done.stdout + done.stderr
 
 
-def test_chunking_processes_store_what_one_thread_stores(tmp_path, settings_factory, embedder):
+def test_chunking_processes_store_what_one_thread_stores(tmp_path, settings_factory, embedder, monkeypatch):
     """``chunk_workers`` (a GPU host's default): the same chunks, ids and metadata as one thread; a record moved to
     another file is still known unchanged, although a process sees only its own file's stored documents."""
     corpus = write_corpus(tmp_path / "corpus")
     one, apart = settings_factory(path=tmp_path / "one"), settings_factory(path=tmp_path / "apart")
     apart.ingest.chunk_workers = 2
+    monkeypatch.setattr("ingest.pipeline.PROCESSES_FROM_BYTES", 0)  # this small corpus too
     assert apart.ingest.chunk_processes() == 2 and one.ingest.chunk_processes() == 0  # auto: none on 2 cores
     run_ingest([corpus], one, embedder)
     first = run_ingest([corpus], apart, embedder)
