@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import tempfile
 import time
 from pathlib import Path
@@ -68,22 +69,23 @@ def main(argv: list[str] | None = None) -> int:
     concurrency = [int(c) for c in args.concurrency.split(",")]
     small = asyncio.run(retrieval_report(ingested(args, [dataset.passages], "scale-gold")[0], questions,
                                          args.top_k, [1]))
-    steps = []
+    out = args.out or Path("bench/results") / f"scale-{dataset.name}.json"
+    result = {"dataset": dataset.name, "questions": len(questions), "top_k": args.top_k, "pool_sentences": len(pool),
+              "small_corpus": small, "steps": [], "bytes_per_chunk": None,
+              "command": command_line("bench.scale", argv), "environment": environment()}
     for documents in sizes:
         corpus = build_corpus(dataset.passages, pool, documents, args.work / "corpus", args.seed)
         settings, ingest = ingested(args, [args.work / "corpus"], "scale")
         step: dict[str, Any] = {**corpus, "chunks": ingest.pop("chunks_total"), "ingest": ingest}
+        print(f"{documents} distractors: {json.dumps(step)}", flush=True)
         step["retrieval"] = asyncio.run(retrieval_report(settings, questions, args.top_k, concurrency))
         step["planning_s"] = asyncio.run(planning_seconds(settings))
         if not args.no_app:
             step["app"] = app_startup(settings, Path(tempfile.mkdtemp(prefix="bench-scale-app-")))
-        steps.append(step)
+        result["steps"].append(step)
+        result["bytes_per_chunk"] = bytes_per_chunk(result["steps"])
+        write_json(out, result)  # after every size: a run stopped at the next one keeps this one's figures
         print(summary_line(step), flush=True)
-    result = {"dataset": dataset.name, "questions": len(questions), "top_k": args.top_k, "pool_sentences": len(pool),
-              "small_corpus": small, "steps": steps, "bytes_per_chunk": bytes_per_chunk(steps),
-              "command": command_line("bench.scale", argv), "environment": environment()}
-    out = args.out or Path("bench/results") / f"scale-{dataset.name}.json"
-    write_json(out, result)
     plot(result, out.with_suffix(".png"))
     return 0
 
@@ -111,7 +113,8 @@ def ingested(args: argparse.Namespace, roots: list[Path], collection: str) -> tu
         "chunks_total": stored.count(), "chunks_written": first.chunks_written,
         "chunks_embedded": first.chunks_embedded, "seconds": first.seconds, "embedded_per_s": round(rate, 1),
         "raw_encoder_chunks_per_s": round(encoder, 1), "ratio_to_encoder": round(rate / encoder, 3) if rate else None,
-        "reingest_seconds": again.seconds, "reingest_writes": again.writes,
+        "stages_s": first.stages_s, "reingest_seconds": again.seconds, "reingest_writes": again.writes,
+        "reingest_stages_s": again.stages_s,
         "reingest_share": round(again.seconds / first.seconds, 4) if first.chunks_written else None,
         "device": torch_device(settings.embedding.device)}
 

@@ -64,7 +64,8 @@ def run_ingest(roots: list[Path], settings: Settings, embedder: Any, *, prune: b
     report.files_seen = len(files)
     with write_lock(settings.chroma, settings.ingest.lock_timeout_s):
         collection = _open_for(settings, embedder, dry_run)
-        stored = stored_documents(collection) if collection is not None else {}
+        with report.timed("scan"):
+            stored = stored_documents(collection) if collection is not None else {}
         by_source: dict[str, list[StoredDocument]] = {}
         ids_by_source: dict[str, list[str]] = {}
         for doc_id, entry in stored.items():
@@ -98,8 +99,9 @@ def run_ingest(roots: list[Path], settings: Settings, embedder: Any, *, prune: b
         if not dry_run and (report.writes or first_run_running(collection)):
             mark_changed(collection, run_ended=True)
         if collection is not None and not dry_run:  # rebuilt only when the collection's stamp moved
-            lexical.current(collection, settings.chroma, write=True)
-            pages.current(collection, settings.chroma, settings.pages, write=True)
+            with report.timed("indexes"):
+                lexical.current(collection, settings.chroma, write=True)
+                pages.current(collection, settings.chroma, settings.pages, write=True)
     report.seconds = round(time.perf_counter() - started, 3)
     return report
 
@@ -113,7 +115,7 @@ def _write_and_prune(files: Any, submit: Any, depth: int, stored: dict[str, Stor
     loaded_sources: set[str] = set()
     with progress.files(len(files), written=lambda: report.chunks_written) as advance:
         # Files are loaded and chunked a few ahead (a worker thread, or processes) while this thread embeds and writes.
-        for result in prefetched(files, submit, depth):
+        for result in prefetched(files, submit, depth, report):
             if result.skipped_unchanged:
                 seen_docs.update(ids_by_source[result.rel])
                 report.files_unchanged += 1
@@ -195,15 +197,18 @@ def prepare_in_worker(path: Path, rel: str, settings: Settings, identity: str,
     return plan(load(path, rel, settings, identity, by_source), stored, chunker, identity)
 
 
-def prefetched(items: list[Any], submit: Callable[..., Future[Any]], depth: int) -> Any:
-    """``submit(*item)``'s result for each item, in order, at most ``depth`` in progress."""
+def prefetched(items: list[Any], submit: Callable[..., Future[Any]], depth: int, report: IngestReport) -> Any:
+    """``submit(*item)``'s result for each item, in order, at most ``depth`` in progress (waits count as "load")."""
     pending = deque(submit(*item) for item in items[:depth])
     for item in items[depth:]:
-        result = pending.popleft().result()
+        with report.timed("load"):
+            result = pending.popleft().result()
         pending.append(submit(*item))
         yield result
     while pending:
-        yield pending.popleft().result()
+        with report.timed("load"):
+            result = pending.popleft().result()
+        yield result
 
 
 def _ingest_file(result: FileResult, stored: dict[str, StoredDocument], writer: ChunkWriter,

@@ -28,6 +28,17 @@ class IngestReport:
     chunks_deleted: int = 0
     chunks_relabeled: int = 0  # metadata-only updates (file hash) of chunks whose text did not change
     seconds: float = 0.0
+    # Where the run's own thread spent its time, seconds: "scan" (what is stored), "load" (waiting for files to be
+    # loaded and chunked), "embed", "store" (waiting for Chroma's writes), "indexes" (BM25 and pages rebuilt).
+    stages_s: dict[str, float] = field(default_factory=dict)
+
+    @contextmanager
+    def timed(self, stage: str) -> Iterator[None]:
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.stages_s[stage] = round(self.stages_s.get(stage, 0.0) + time.perf_counter() - started, 3)
 
     @property
     def writes(self) -> int:

@@ -83,7 +83,8 @@ class ChunkWriter:
         """The write in flight stored (or its error raised here): the collection is as this thread left it."""
         in_flight, self._in_flight = self._in_flight, None
         if in_flight is not None:
-            in_flight.result()
+            with self.report.timed("store"):
+                in_flight.result()
 
     def _batches(self, items: list[Any]) -> Iterator[list[Any]]:
         """``items`` in slices Chroma accepts: every read and write here goes through this."""
@@ -128,7 +129,9 @@ class ChunkWriter:
         if self.dry_run:
             self.vectors.update({h: np.zeros(0, dtype=np.float32) for h in todo})
             return
-        for content_hash, vector in zip(todo, self.embedder.embed(list(todo.values()))):
+        with self.report.timed("embed"):
+            vectors = self.embedder.embed(list(todo.values()))
+        for content_hash, vector in zip(todo, vectors):
             self.vectors[content_hash] = np.asarray(vector, dtype=np.float32)
 
     def _delete_stale_of_complete_documents(self) -> None:
