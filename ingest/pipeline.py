@@ -16,6 +16,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
+from itertools import zip_longest
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +39,7 @@ from ingest.report import IngestReport, Progress
 from ingest.writer import ChunkWriter
 
 PROCESSES_FROM_BYTES = 4_000_000  # a run smaller than this chunks on one thread (an upload of a few files)
+SLICE_FROM_BYTES = 1_000_000  # a file this large is chunked by every process, a slice of its documents each
 
 
 def chunker_for(settings: Settings, embedder: Any) -> Chunker:
@@ -81,7 +83,7 @@ def run_ingest(roots: list[Path], settings: Settings, embedder: Any, *, prune: b
 
         def prepare_apart(path: Path, rel: str) -> tuple[Any, ...]:  # what a chunking process needs of this file
             known = {doc_id: stored[doc_id] for doc_id in ids_by_source.get(rel, [])}
-            return prepare_in_worker, path, rel, settings, identity, {rel: by_source.get(rel, [])}, known
+            return path, rel, settings, identity, {rel: by_source.get(rel, [])}, known
 
         writer = ChunkWriter(collection, embedder, settings.ingest.write_batch, dry_run, report,
                              before_first_write=lambda: mark_changed(collection))
@@ -168,8 +170,30 @@ def file_preparers(files: list[tuple[Path, str]], settings: Settings, prepare: C
         return
     # spawn: this process may hold CUDA and threads, which a forked child must not inherit
     with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-        yield (lambda path, rel: pool.submit(*prepare_apart(path, rel))), max(settings.ingest.prefetch_files,
-                                                                             2 * workers)
+
+        def submit(path: Path, rel: str) -> Joined:
+            """A large file (one jsonl of many records) is planned in ``workers`` slices of its documents."""
+            parts = workers if _bytes([(path, rel)]) >= SLICE_FROM_BYTES else 1
+            work = functools.partial(prepare_in_worker, *prepare_apart(path, rel))
+            return Joined([pool.submit(work, part, parts) for part in range(parts)])
+
+        yield submit, max(settings.ingest.prefetch_files, 2 * workers)
+
+
+class Joined:
+    """The slices of one file planned apart, read back as one ``FileResult`` in the file's own document order
+    (slice k holds documents k, k + n, k + 2n ...)."""
+
+    def __init__(self, slices: list[Future[FileResult]]) -> None:
+        self.slices = slices
+
+    def result(self) -> FileResult:
+        parts = [future.result() for future in self.slices]
+        whole = parts[0]
+        if len(parts) > 1 and whole.error is None and not whole.skipped_unchanged:
+            whole.documents = [d for row in zip_longest(*(p.documents for p in parts)) for d in row if d is not None]
+            whole.plans = [p for row in zip_longest(*(p.plans for p in parts)) for p in row if p is not None]
+        return whole
 
 
 def _bytes(files: list[tuple[Path, str]]) -> int:
@@ -182,9 +206,11 @@ _worker_chunker: Chunker | None = None  # a chunking process's own, built on its
 
 
 def prepare_in_worker(path: Path, rel: str, settings: Settings, identity: str,
-                      by_source: dict[str, list[StoredDocument]], stored: dict[str, StoredDocument]) -> FileResult:
-    """``prepare`` in a chunking process: the file loaded, its documents hashed and the changed ones chunked with
-    the encoder's tokenizer, loaded here on the CPU (the tokenizer is all it uses of it)."""
+                      by_source: dict[str, list[StoredDocument]], stored: dict[str, StoredDocument],
+                      part: int = 0, parts: int = 1) -> FileResult:
+    """``prepare`` in a chunking process: the file loaded, its documents (slice ``part`` of ``parts``) hashed and
+    the changed ones chunked with the encoder's tokenizer, loaded here on the CPU (the tokenizer is all it uses
+    of it)."""
     from app.core.embedder import Embedder
 
     def chunker() -> Chunker:
@@ -194,10 +220,12 @@ def prepare_in_worker(path: Path, rel: str, settings: Settings, identity: str,
             _worker_chunker = chunker_for(settings, Embedder(cpu))
         return _worker_chunker
 
-    return plan(load(path, rel, settings, identity, by_source), stored, chunker, identity)
+    loaded = load(path, rel, settings, identity, by_source)
+    loaded.documents = loaded.documents[part::parts]
+    return plan(loaded, stored, chunker, identity)
 
 
-def prefetched(items: list[Any], submit: Callable[..., Future[Any]], depth: int, report: IngestReport) -> Any:
+def prefetched(items: list[Any], submit: Callable[..., Any], depth: int, report: IngestReport) -> Any:
     """``submit(*item)``'s result for each item, in order, at most ``depth`` in progress (waits count as "load")."""
     pending = deque(submit(*item) for item in items[:depth])
     for item in items[depth:]:

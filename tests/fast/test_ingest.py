@@ -286,6 +286,7 @@ def test_chunking_processes_store_what_one_thread_stores(tmp_path, settings_fact
     one, apart = settings_factory(path=tmp_path / "one"), settings_factory(path=tmp_path / "apart")
     apart.ingest.chunk_workers = 2
     monkeypatch.setattr("ingest.pipeline.PROCESSES_FROM_BYTES", 0)  # this small corpus too
+    monkeypatch.setattr("ingest.pipeline.SLICE_FROM_BYTES", 0)  # and its jsonl file chunked in slices
     assert apart.ingest.chunk_processes() == 2 and one.ingest.chunk_processes() == 0  # auto: none on 2 cores
     run_ingest([corpus], one, embedder)
     first = run_ingest([corpus], apart, embedder)
