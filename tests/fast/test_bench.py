@@ -141,3 +141,30 @@ def test_the_scale_corpus_is_the_gold_among_seeded_distractors_that_grow_without
     before = shard.stat().st_mtime_ns
     build_corpus(gold, pool, 5, tmp_path / "small")
     assert shard.stat().st_mtime_ns == before
+
+
+def test_scale_runs_each_size_on_one_growing_store_with_the_real_app(tmp_path):
+    """bench.scale end to end at a tiny size: the gold alone, then two corpus sizes on one store (the second adds
+    only the new distractors), every ranking mode with recall, pre-warm's planning, the app started against the
+    instant vLLM; a JSON after every size and the plot."""
+    import json
+
+    from bench.scale import MODES, main
+    from tests.support.corpora import paragraphs, tiny_squad
+
+    data = tiny_squad(tmp_path / "tiny")
+    (tmp_path / "pool").mkdir()
+    (tmp_path / "pool" / "notes.md").write_text("\n\n".join(paragraphs()))
+    out = tmp_path / "scale.json"
+    assert main(["--data", str(data), "--pool", str(tmp_path / "pool"), "--documents", "12,4", "--questions", "8",
+                 "--concurrency", "1,2", "--work", str(tmp_path / "work"), "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    small, large = result["steps"]
+    assert (small["distractor_documents"], large["distractor_documents"]) == (4, 12)
+    assert small["chunks"] < large["chunks"] and large["ingest"]["chunks_written"] == large["chunks"] - small["chunks"]
+    assert large["ingest"]["reingest_writes"] == 0 and set(large["ingest"]["stages_s"]) >= {"embed", "store"}
+    for step in (result["small_corpus"], small["retrieval"], large["retrieval"]):
+        assert set(step) == set(MODES) and all(0 <= cell["recall@5"] <= 1 for cell in step.values())
+    assert set(large["retrieval"]["hybrid"]) >= {"load_s", "c1_ms", "c2_ms"}
+    assert large["planning_s"] > 0 and large["app"]["ready_s"] > 0 and large["app"]["rss_mib"] > 100
+    assert result["bytes_per_chunk"] is not None and out.with_suffix(".png").exists()
