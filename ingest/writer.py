@@ -43,7 +43,7 @@ class ChunkWriter:
         self.pending: dict[str, _Pending] = {}
         # Chroma's writes run on a thread of their own, so the encoder embeds the next batch meanwhile.
         self._writes = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ingest-write")
-        self._in_flight: Future[None] | None = None
+        self._in_flight: tuple[Future[None], list[tuple[str, Chunk, dict[str, Any]]]] | None = None
 
     def add_document(self, document: SourceDocument, chunks: list[Chunk], doc_hash: str,
                      previous_ids: list[str]) -> None:
@@ -80,11 +80,14 @@ class ChunkWriter:
             self._writes.shutdown(wait=True)
 
     def _settled(self) -> None:
-        """The write in flight stored (or its error raised here): the collection is as this thread left it."""
+        """The write in flight stored (or its error raised here) and its bookkeeping done: the collection is as
+        this thread left it."""
         in_flight, self._in_flight = self._in_flight, None
         if in_flight is not None:
+            future, batch = in_flight
             with self.report.timed("store"):
-                in_flight.result()
+                future.result()
+            self._written(batch)
 
     def _batches(self, items: list[Any]) -> Iterator[list[Any]]:
         """``items`` in slices Chroma accepts: every read and write here goes through this."""
@@ -93,23 +96,28 @@ class ChunkWriter:
 
     def _write(self, batch: list[tuple[str, Chunk, dict[str, Any]]]) -> None:
         """Embed this batch here while the one before is stored on the writing thread, then hand it over: one
-        write in flight, in order (the write order is what crash safety rests on)."""
+        write in flight, in order (the write order is what crash safety rests on). Everything but Chroma's call
+        stays on this thread: the bookkeeping of a batch is done once its write has landed (``_settled``)."""
         self._embed_missing([chunk for _, chunk, _ in batch])
+        rows: dict[str, list[Any]] = {
+            "ids": [chunk.chunk_id for _, chunk, _ in batch],
+            "embeddings": [self.vectors[chunk.content_hash] for _, chunk, _ in batch],
+            "documents": [chunk.text for _, chunk, _ in batch], "metadatas": [meta for _, _, meta in batch]}
         self._settled()
-        self._in_flight = self._writes.submit(self._store, batch)
-
-    def _store(self, batch: list[tuple[str, Chunk, dict[str, Any]]]) -> None:
         if not self.dry_run:
             self._changing()
-            try:
-                self.collection.upsert(
-                    ids=[chunk.chunk_id for _, chunk, _ in batch],
-                    embeddings=[self.vectors[chunk.content_hash] for _, chunk, _ in batch],
-                    documents=[chunk.text for _, chunk, _ in batch],
-                    metadatas=[meta for _, _, meta in batch],
-                )
-            except Exception as exc:  # systemic (disk full, server gone): one clear line; a re-run converges
-                raise StoreError(f"Chroma refused a write of {len(batch)} chunks: {exc}") from exc
+        self._in_flight = (self._writes.submit(self._upsert, rows), batch)
+
+    def _upsert(self, rows: dict[str, list[Any]]) -> None:
+        if self.dry_run:
+            return
+        try:
+            self.collection.upsert(**rows)
+        except Exception as exc:  # systemic (disk full, server gone): one clear line; a re-run converges
+            raise StoreError(f"Chroma refused a write of {len(rows['ids'])} chunks: {exc}") from exc
+
+    def _written(self, batch: list[tuple[str, Chunk, dict[str, Any]]]) -> None:
+        """A batch's write landed: count it, and delete the stale chunks of the documents it completed."""
         self.report.chunks_written += len(batch)
         for doc_id, _, _ in batch:
             self.pending[doc_id].remaining -= 1
