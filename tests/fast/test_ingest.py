@@ -314,3 +314,20 @@ def test_a_section_that_fits_one_chunk_is_cut_as_the_splitter_would_cut_it(setti
         expected = [(p.page_content, section.start + p.metadata["start_index"]) for section in document.sections
                     for p in chunker.splitter.create_documents([section.text])]
         assert [(c.text, c.start) for c in chunker.chunk(document)] == expected
+
+
+def test_a_write_chroma_refuses_ends_the_run_with_one_clear_error(tmp_path, settings_factory, embedder):
+    """Writes run on a thread of their own: Chroma's refusal there (here: vectors of another size than the
+    collection's) still ends the run in its caller, as one StoreError naming the write, and nothing hangs."""
+    import chromadb
+
+    from app.core.store import StoreError, open_client
+
+    settings = settings_factory()
+    client: chromadb.ClientAPI = open_client(settings.chroma)
+    odd = client.create_collection(settings.chroma.collection, embedding_function=None,
+                                   metadata={"embedder": embedder.name})
+    record = {"doc_id": "odd", "source": "elsewhere.txt", "chunk_index": 0, "n_chunks": 1, "doc_hash": "h"}
+    odd.add(ids=["odd"], embeddings=[[0.5] * 8], metadatas=[record])  # the collection now holds 8-dimensional vectors
+    with pytest.raises(StoreError, match=r"Chroma refused a write of \d+ chunks"):
+        run_ingest([write_corpus(tmp_path / "corpus")], settings, embedder)
