@@ -56,14 +56,14 @@ def raw_encoder_over(chroma: Path, collection: str) -> tuple[float, int]:
     from app.core.embedder import Embedder
     from app.core.settings import Settings
     from app.core.store import open_collection
-    from bench.ingest import raw_encoder_rate
+    from bench.ingest import raw_encoder_rate, stored_texts
 
     settings = Settings(_env_file=None)
     settings.chroma.path, settings.chroma.collection = chroma, collection
     embedder = Embedder(settings.embedding)
     embedder.embed(["warm the encoder up"])
-    return raw_encoder_rate(embedder, open_collection(settings.chroma, embedder, create=False),
-                            settings.ingest.write_batch)
+    texts = stored_texts(open_collection(settings.chroma, embedder, create=False))
+    return raw_encoder_rate(embedder, texts, settings.ingest.write_batch), len(texts)
 
 
 def chroma_delete_seconds(rows: int, others: int, tmp: Path) -> float:

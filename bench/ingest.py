@@ -29,14 +29,25 @@ def corpus_bytes(root: Path) -> int:
     return sum(path.stat().st_size for path, _ in files)
 
 
-def raw_encoder_rate(embedder: Any, collection: Any, batch: int) -> tuple[float, int]:
-    """Chunks a second the encoder alone embeds over the collection's distinct texts (ingest embeds each once),
-    in the writer's batches: the ceiling, ingest being encoder-bound; and how many texts that was."""
-    texts = list(dict.fromkeys(collection.get(include=["documents"])["documents"]))
+def stored_texts(collection: Any, limit: int | None = None) -> list[str]:
+    """The collection's distinct texts (ingest embeds each once), read a page at a time; the first ``limit``."""
+    from app.core.store import all_rows
+
+    texts: dict[str, None] = {}
+    for page in all_rows(collection, ["documents"]):
+        texts.update(dict.fromkeys(page["documents"]))
+        if limit is not None and len(texts) >= limit:
+            break
+    return list(texts)[:limit]
+
+
+def raw_encoder_rate(embedder: Any, texts: list[str], batch: int) -> float:
+    """Chunks a second the encoder alone embeds over ``texts``, in the writer's batches: the ceiling, ingest
+    being encoder-bound."""
     started = time.perf_counter()
     for start in range(0, len(texts), batch):
         embedder.embed(texts[start:start + batch])
-    return len(texts) / (time.perf_counter() - started), len(texts)
+    return len(texts) / (time.perf_counter() - started)
 
 
 def cli_reingest_seconds(data: Path, chroma: Path, collection: str) -> float:
@@ -71,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         settings.chroma.path, settings.chroma.collection = Path(tmp) / "chroma", "bench-ingest"
         first = run_ingest([args.data], settings, embedder)
         collection = open_collection(settings.chroma, embedder, create=False)
-        encoder_rate, _ = raw_encoder_rate(embedder, collection, settings.ingest.write_batch)
+        encoder_rate = raw_encoder_rate(embedder, stored_texts(collection), settings.ingest.write_batch)
         again = run_ingest([args.data], settings, embedder)
         cli_s = cli_reingest_seconds(args.data, settings.chroma.path, settings.chroma.collection)
     size = corpus_bytes(args.data)

@@ -27,6 +27,7 @@ from typing import Any
 
 from bench.common import command_line, environment, write_json
 from bench.datasets import Question, load_dataset, sample
+from bench.ingest import raw_encoder_rate, stored_texts
 from bench.scale_corpus import build_corpus, sentence_pool
 from bench.scale_stack import app_startup
 from bench.stats import ms_summary
@@ -41,7 +42,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data", type=Path, required=True, help="QA dataset folder: its passages are the gold")
     parser.add_argument("--documents", default="2000,10000",
-                        help="distractor documents (about one chunk each) per size, comma-separated "
+                        help="distractor documents (one or two chunks each) per size, comma-separated "
                              "(default %(default)s)")
     parser.add_argument("--pool", type=Path, nargs="*",
                         help="folders whose sentences make the distractors (default: the other data folders beside "
@@ -67,8 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     questions = [q for q in sample(dataset.questions, args.questions, args.seed) if q.gold]
     sizes = sorted(int(n) for n in args.documents.split(","))
     concurrency = [int(c) for c in args.concurrency.split(",")]
-    small = asyncio.run(retrieval_report(ingested(args, [dataset.passages], "scale-gold")[0], questions,
-                                         args.top_k, [1]))
+    small = asyncio.run(retrieval_report(gold_alone(args, dataset.passages), questions, args.top_k, [1]))
     out = args.out or Path("bench/results") / f"scale-{dataset.name}.json"
     result = {"dataset": dataset.name, "questions": len(questions), "top_k": args.top_k, "pool_sentences": len(pool),
               "small_corpus": small, "steps": [], "bytes_per_chunk": None,
@@ -90,24 +90,40 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def store_settings(args: argparse.Namespace, collection: str) -> Any:
+    """The service's settings (environment included), naming ``collection`` of the work store."""
+    from app.core.settings import Settings
+
+    settings = Settings(_env_file=None)
+    settings.chroma.path, settings.chroma.collection = args.work / "chroma", collection
+    return settings
+
+
+def gold_alone(args: argparse.Namespace, passages: Path) -> Any:
+    """The gold passages ingested into a collection of their own (recall's reference); its settings."""
+    from app.core.embedder import Embedder
+    from ingest.pipeline import run_ingest
+
+    settings = store_settings(args, "scale-gold")
+    run_ingest([passages], settings, Embedder(settings.embedding))
+    return settings
+
+
 def ingested(args: argparse.Namespace, roots: list[Path], collection: str) -> tuple[Any, dict[str, Any]]:
     """Ingest ``roots`` into ``collection`` of the work store (what is there already is kept), then re-ingest
     them unchanged; the settings that name the store, and the figures."""
     from app.core.devices import torch_device
     from app.core.embedder import Embedder
-    from app.core.settings import Settings
     from app.core.store import open_collection
     from ingest.pipeline import run_ingest
 
-    settings = Settings(_env_file=None)
-    settings.chroma.path, settings.chroma.collection = args.work / "chroma", collection
+    settings = store_settings(args, collection)
     embedder = Embedder(settings.embedding)
     embedder.embed(["warm the encoder up"])  # its first call's overhead belongs to neither side
     first = run_ingest(roots, settings, embedder)
     again = run_ingest(roots, settings, embedder)
     stored = open_collection(settings.chroma, embedder, create=False)
-    texts = [t for page in _pages(stored, ENCODER_SAMPLE) for t in page]
-    encoder = raw_encoder_rate(embedder, texts, settings.ingest.write_batch)
+    encoder = raw_encoder_rate(embedder, stored_texts(stored, ENCODER_SAMPLE), settings.ingest.write_batch)
     rate = first.chunks_embedded / first.seconds if first.seconds else 0.0
     return settings, {
         "chunks_total": stored.count(), "chunks_written": first.chunks_written,
@@ -117,27 +133,6 @@ def ingested(args: argparse.Namespace, roots: list[Path], collection: str) -> tu
         "reingest_stages_s": again.stages_s,
         "reingest_share": round(again.seconds / first.seconds, 4) if first.chunks_written else None,
         "device": torch_device(settings.embedding.device)}
-
-
-def _pages(collection: Any, limit: int) -> list[list[str]]:
-    """The first ``limit`` stored texts, read a page at a time."""
-    from app.core.store import all_rows
-
-    pages, count = [], 0
-    for page in all_rows(collection, ["documents"]):
-        pages.append(page["documents"][:limit - count])
-        count += len(pages[-1])
-        if count >= limit:
-            break
-    return pages
-
-
-def raw_encoder_rate(embedder: Any, texts: list[str], batch: int) -> float:
-    """Chunks a second the encoder alone embeds over ``texts``, in the writer's batches."""
-    started = time.perf_counter()
-    for start in range(0, len(texts), batch):
-        embedder.embed(texts[start:start + batch])
-    return len(texts) / (time.perf_counter() - started)
 
 
 async def retrieval_report(settings: Any, questions: list[Question], k: int, concurrency: list[int]) -> dict:

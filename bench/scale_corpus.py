@@ -2,7 +2,7 @@
 mixed into a large body of distractor documents made from real text of the other datasets.
 
 Distractors are sentences of the other folders (SciFact abstracts, TAT-QA paragraphs, the FastAPI and Python docs)
-drawn at random into documents of about one chunk each, so the chunk count is set by the number of documents.
+drawn at random into documents of one or two chunks each, so the chunk count follows the number of documents.
 They are real prose and code-doc text, but mostly off the gold dataset's topics: recall on the mixed corpus
 measures how the rankers hold up under volume, not against near-duplicates of the gold passages.
 """
@@ -17,7 +17,7 @@ import shutil
 from pathlib import Path
 
 SHARD = 20_000  # distractor documents per .jsonl file: an unchanged shard is skipped whole by a re-ingest
-WORDS_PER_DOC = 110  # about 150 encoder tokens: one chunk each at the default chunk size (200)
+WORDS_PER_DOC = 110  # one or two chunks at the default chunk size (200 encoder tokens): 1.6 on average here
 SENTENCE = re.compile(r"(?<=[.!?])\s+(?=[A-Z0-9`\"'(])")
 TEXT_SUFFIXES = {".md", ".txt", ".rst"}
 
