@@ -8,12 +8,9 @@
 # from the bundle `scripts/gpu-e2e-pack.sh` makes (scripts/gpu-extra.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-. /tmp/site/env.sh
 . scripts/gpu-extra.sh
-DEST=${OUT:-bench/results/gpu}
 CONCURRENCY=${CONCURRENCY:-4}
 TAG=${TAG:-h200-e2e}
-mkdir -p "$DEST"
 . scripts/gpu-vllm.sh
 for dataset in "$@"; do
   python3 -m bench.prefix_cache --data "$DATA/$dataset" --questions 300 --concurrency "$CONCURRENCY" --top-k 5 \

@@ -1,6 +1,8 @@
-# Sourced ON the GPU machine by gpu-e2e.sh and gpu-live.sh: install, once per machine, the service's dependencies
-# the image lacks and the datasets, from the bundle scripts/gpu-e2e-pack.sh makes (EXTRA: the staged folder holding
-# its parts), and put them on PYTHONPATH. Sets DATA (the datasets' folder). (The caller has sourced /tmp/site/env.sh.)
+# Sourced ON the GPU machine by the gpu-*.sh benchmark scripts, from the project root: vLLM's staged environment
+# (/tmp/site/env.sh), then, once per machine, the service's dependencies the image lacks and the datasets, from the
+# bundle scripts/gpu-e2e-pack.sh makes (EXTRA: the staged folder holding its parts), put on PYTHONPATH. Sets DATA
+# (the datasets' folder) and DEST (where results go: $OUT, else bench/results/gpu; created).
+. /tmp/site/env.sh
 EXTRA=${EXTRA:-/var/tmp/stage-extra}
 DATA=${DATA:-/var/tmp/extra/data}
 if [[ ! -d /tmp/site2 ]]; then
@@ -9,3 +11,5 @@ if [[ ! -d /tmp/site2 ]]; then
   python3 -m pip install -q --no-index --no-deps --target /tmp/site2 /var/tmp/extra/wheels/*.whl
 fi
 export PYTHONPATH=/tmp/site2${PYTHONPATH:+:$PYTHONPATH}
+DEST=${OUT:-bench/results/gpu}
+mkdir -p "$DEST"

@@ -7,13 +7,10 @@
 # Needs what gpu-e2e.sh needs (scripts/gpu-e2e-pack.sh python-3.11-docs-html).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-. /tmp/site/env.sh
 . scripts/gpu-extra.sh
-DEST=${OUT:-bench/results/gpu}
 CHROMA=${CHROMA:-/var/tmp/bench-live}
 CORPUS="$DATA/python-3.11-docs-html/files"
 TAG=${TAG:-h200}
-mkdir -p "$DEST"
 . scripts/gpu-vllm.sh
 PREFIXRAG_EMBEDDING__DEVICE=cuda python3 -m ingest "$CORPUS" --chroma-path "$CHROMA" --collection live-python-3.11-docs-html
 if [[ -z "${INGEST_ONLY:-}" ]]; then

@@ -6,13 +6,10 @@
 # Needs what gpu-e2e.sh needs (scripts/gpu-e2e-pack.sh DATASET).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-. /tmp/site/env.sh
 . scripts/gpu-extra.sh
-DEST=${OUT:-bench/results/gpu}
 TAG=${TAG:-h200}
 UNIT=${UNIT:-32768}
 export MAX_MODEL_LEN=${MAX_MODEL_LEN:-$((2 * UNIT))}
-mkdir -p "$DEST"
 . scripts/gpu-vllm.sh
 dataset=$1
 shift

@@ -8,13 +8,10 @@
 # Needs what gpu-e2e.sh needs (scripts/gpu-e2e-pack.sh DATASET).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-. /tmp/site/env.sh
 . scripts/gpu-extra.sh
-DEST=${OUT:-bench/results/gpu}
 TAG=${TAG:-h200}
 MODEL=${MODEL:-.gpu/llama-3.1-8b-dummy}
 GPU_SHARE=${GPU_SHARE:-0.42}
-mkdir -p "$DEST"
 python3 -m pip install -q --no-index --no-deps --target /tmp/site4 .whl-router/vllm_router-*.whl
 export PYTHONPATH=/tmp/site4:$PYTHONPATH
 pkill -f "app\.vllm(_server|\.)" || true  # the single vLLM of gpu-vllm.sh, its front ends and engine exit on TERM

@@ -6,11 +6,8 @@
 # Needs what gpu-e2e.sh needs (scripts/gpu-e2e-pack.sh DATASET).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-. /tmp/site/env.sh
 . scripts/gpu-extra.sh
-DEST=${OUT:-bench/results/gpu}
 TAG=${TAG:-h200}
-mkdir -p "$DEST"
 dataset=$1
 shift
 PREFIXRAG_EMBEDDING__DEVICE=cuda python3 -m bench.scale --data "$DATA/$dataset" --pool-cache "${POOL:-.gpu/scale-pool.json.gz}" \

@@ -6,11 +6,8 @@
 # Needs what gpu-e2e.sh needs (scripts/gpu-e2e-pack.sh DATASET).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-. /tmp/site/env.sh
 . scripts/gpu-extra.sh
-DEST=${OUT:-bench/results/gpu}
 TAG=${TAG:-h200}
-mkdir -p "$DEST"
 . scripts/gpu-vllm.sh
 dataset=$1
 shift
