@@ -20,7 +20,7 @@ from itertools import zip_longest
 from pathlib import Path
 from typing import Any
 
-from app.core import lexical, pages
+from app.core import derived
 from app.core.records import pipeline_identity, sha256
 from app.core.settings import Settings
 from app.core.store import (
@@ -102,8 +102,7 @@ def run_ingest(roots: list[Path], settings: Settings, embedder: Any, *, prune: b
             mark_changed(collection, run_ended=True)
         if collection is not None and not dry_run:  # rebuilt only when the collection's stamp moved
             with report.timed("indexes"):
-                lexical.current(collection, settings.chroma, write=True)
-                pages.current(collection, settings.chroma, settings.pages, write=True)
+                derived.save_current(collection, settings.chroma, settings.pages)
     report.seconds = round(time.perf_counter() - started, 3)
     return report
 

@@ -3,7 +3,8 @@
 It is built from the collection's own rows (ids, texts, sources) and stamped with the collection's generation
 and row count, so it holds exactly the collection's ids: ingest rebuilds it after every run that changed the
 collection (a run killed mid-way leaves the stamp behind, and the next run rebuilds); a service that finds the
-stamp differs builds its own copy in memory from Chroma. Only ingest writes the files (under its write lock).
+stamp differs builds its own copy in memory from Chroma. Only writers save it, under the write lock
+(``app.core.derived``: ingest, the documents API's delete).
 Scoring is bm25s (Lucene BM25) over lower-cased words, English stop words removed, Snowball-stemmed; words
 joined by underscores (``sys_path_init``) stay one token, so identifiers match exactly. Top-k selection is numpy's,
 whatever else is installed (see ``_bm25s``).
@@ -17,6 +18,7 @@ import shutil
 import threading
 import uuid
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +30,7 @@ from app.core.settings import ChromaSettings
 from app.core.store import all_rows, derived_dir, stamp_of
 
 META = "prefixrag-lexical.json"
+ROWS_READ = ["documents", "metadatas"]  # what building the index reads of each row
 _per_thread = threading.local()
 
 
@@ -71,6 +74,11 @@ class LexicalIndex:
     def stamp(self) -> tuple[str, int]:
         return self.generation, len(self.ids)
 
+    @cached_property
+    def distinct_sources(self) -> list[str]:
+        """Every source the collection holds, sorted (prefix filters pick from it without reading Chroma)."""
+        return sorted(set(self.sources))
+
     def search(self, question: str, k: int, sources: set[str] | None = None) -> list[tuple[str, float]]:
         """Up to ``k`` (chunk id, BM25 score) best first, only chunks sharing a word with the question and,
         with ``sources``, only from those sources (the same filter the dense search applies)."""
@@ -83,18 +91,34 @@ class LexicalIndex:
         return [(self.ids[i], float(s)) for i, s in zip(found[0], scores[0]) if s > 0]
 
 
+class LexicalRows:
+    """Rows taken a page at a time and tokenized as they come (one pass over the collection may feed other
+    indexes too): the texts themselves are not kept."""
+
+    def __init__(self) -> None:
+        self.ids: list[str] = []
+        self.tokens: list[list[str]] = []
+        self.sources: list[str] = []
+
+    def add(self, rows: dict[str, Any]) -> None:
+        self.ids += rows["ids"]
+        self.tokens += tokenize(rows["documents"]) if rows["ids"] else []
+        self.sources += [ChunkRecord.from_metadata(meta).source for meta in rows["metadatas"]]
+
+    def index(self, generation: str) -> LexicalIndex:
+        bm25 = _bm25s().BM25()
+        if self.tokens:
+            bm25.index(self.tokens, show_progress=False)
+        return LexicalIndex(generation, self.ids, self.sources, bm25)
+
+
 def build(collection: Collection) -> LexicalIndex:
     """Read every row of the collection (a page at a time) and index it."""
     generation, _ = stamp_of(collection)
-    ids, texts, sources = [], [], []
-    for page in all_rows(collection, ["documents", "metadatas"]):
-        ids += page["ids"]
-        texts += page["documents"]
-        sources += [ChunkRecord.from_metadata(meta).source for meta in page["metadatas"]]
-    bm25 = _bm25s().BM25()
-    if texts:
-        bm25.index(tokenize(texts), show_progress=False)
-    return LexicalIndex(generation, ids, sources, bm25)
+    rows = LexicalRows()
+    for page in all_rows(collection, ROWS_READ):
+        rows.add(page)
+    return rows.index(generation)
 
 
 def save(index: LexicalIndex, folder: Path) -> None:
@@ -118,20 +142,18 @@ def load(folder: Path) -> LexicalIndex | None:
     bm25s = _bm25s()
     try:
         meta = json.loads((folder / META).read_text())
-        bm25 = bm25s.BM25.load(str(folder), show_progress=False) if meta["ids"] else bm25s.BM25()
+        # Memory-mapped: the app and each ranking worker share one copy of the scores in the page cache (a
+        # search reads them as fast; ingest swaps in a new folder, and a mapping of the old one stays valid).
+        bm25 = bm25s.BM25.load(str(folder), mmap=True, show_progress=False) if meta["ids"] else bm25s.BM25()
     except (OSError, ValueError, KeyError):
         return None
     return LexicalIndex(meta["generation"], meta["ids"], meta["sources"], bm25)
 
 
-def current(collection: Collection, cfg: ChromaSettings, *, write: bool) -> LexicalIndex:
-    """The index matching the collection as it is now: the saved one if its stamp matches, else built afresh
-    (and saved, with ``write``: ingest, holding the write lock)."""
-    folder = index_dir(cfg)
-    saved = load(folder)
+def current(collection: Collection, cfg: ChromaSettings) -> LexicalIndex:
+    """The index matching the collection as it is now: the saved one if its stamp matches, else built afresh in
+    memory (a writer saves it: ``app.core.derived``)."""
+    saved = load(index_dir(cfg))
     if saved is not None and saved.stamp == stamp_of(collection):
         return saved
-    index = build(collection)
-    if write:
-        save(index, folder)
-    return index
+    return build(collection)

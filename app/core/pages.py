@@ -21,6 +21,7 @@ import json
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -31,6 +32,7 @@ from app.core.store import all_rows, derived_dir, stamp_of
 
 CHARS_PER_TOKEN = 4.0  # rough chars per LLM token: sizes here only decide what is small and what fits a page
 SMALL_SHARE = 0.5  # a parent is paged when it is at most this share of a page
+ROWS_READ = ["embeddings", "metadatas", "documents"]  # what building pages reads of each row
 
 
 @dataclass
@@ -60,36 +62,55 @@ class Parents:
     vectors: np.ndarray
 
 
-def read_parents(collection: Collection) -> Parents:
-    sums: dict[str, np.ndarray] = {}
-    chars: dict[str, int] = {}
-    for rows in all_rows(collection, ["embeddings", "metadatas", "documents"]):
+class ParentSums:
+    """Parents accumulated a page of rows at a time (one pass over the collection may feed other indexes too)."""
+
+    def __init__(self) -> None:
+        self.sums: dict[str, np.ndarray] = {}
+        self.chars: dict[str, int] = {}
+
+    def add(self, rows: dict[str, Any]) -> None:
         for vector, meta, text in zip(rows["embeddings"], rows["metadatas"], rows["documents"]):
             parent = ChunkRecord.from_metadata(meta).parent_key
-            sums[parent] = sums.get(parent, 0.0) + np.asarray(vector, dtype=np.float64)
-            chars[parent] = chars.get(parent, 0) + len(text or "")
-    keys = sorted(sums)
-    vectors = np.array([sums[k] for k in keys]) if keys else np.zeros((0, 1))
-    vectors /= np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)
-    return Parents(keys, np.array([chars[k] / CHARS_PER_TOKEN for k in keys]), vectors)
+            self.sums[parent] = self.sums.get(parent, 0.0) + np.asarray(vector, dtype=np.float64)
+            self.chars[parent] = self.chars.get(parent, 0) + len(text or "")
+
+    def parents(self) -> Parents:
+        keys = sorted(self.sums)
+        vectors = np.array([self.sums[k] for k in keys]) if keys else np.zeros((0, 1))
+        vectors /= np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)
+        return Parents(keys, np.array([self.chars[k] / CHARS_PER_TOKEN for k in keys]), vectors)
+
+
+def read_parents(collection: Collection) -> Parents:
+    sums = ParentSums()
+    for rows in all_rows(collection, ROWS_READ):
+        sums.add(rows)
+    return sums.parents()
 
 
 def group(vectors: np.ndarray, tokens: np.ndarray, limit: float) -> list[list[int]]:
     """Row indices grouped into pages of at most ``limit`` tokens (a row bigger than that alone)."""
     from sklearn.cluster import KMeans
+    from threadpoolctl import threadpool_limits
 
+    with threadpool_limits(1):  # most splits are of a few hundred rows: a thread pool per call costs more than
+        return _pack(_leaves(vectors, tokens, limit, KMeans), tokens, limit)  # it saves (same pages either way)
+
+
+def _leaves(vectors: np.ndarray, tokens: np.ndarray, limit: float, kmeans: Any) -> list[list[int]]:
     leaves, stack = [], [list(range(len(tokens)))] if len(tokens) else []
     while stack:  # depth-first, left half first: leaves come out in tree order
         members = stack.pop()
         if tokens[members].sum() <= limit or len(members) == 1:
             leaves.append(members)
             continue
-        labels = KMeans(n_clusters=2, n_init=3, random_state=0).fit_predict(vectors[members])
+        labels = kmeans(n_clusters=2, n_init=3, random_state=0).fit_predict(vectors[members])
         if labels.min() == labels.max():  # identical vectors: split in order
             labels = np.arange(len(members)) >= len(members) // 2
         first = labels == labels[0]  # the half holding the group's first row comes first
         stack += [[m for m, f in zip(members, first) if not f], [m for m, f in zip(members, first) if f]]
-    return _pack(leaves, tokens, limit)
+    return leaves
 
 
 def _pack(leaves: list[list[int]], tokens: np.ndarray, limit: float) -> list[list[int]]:
@@ -105,10 +126,16 @@ def _pack(leaves: list[list[int]], tokens: np.ndarray, limit: float) -> list[lis
 
 def build(collection: Collection, size: int, previous: PageIndex | None = None) -> PageIndex:
     """Pages of about ``size`` tokens (0: none), keeping ``previous``'s where it was built for that size."""
-    generation, count = stamp_of(collection)
+    stamp = stamp_of(collection)
+    return build_from(read_parents(collection) if size else Parents([], np.zeros(0), np.zeros((0, 1))), stamp,
+                      size, previous)
+
+
+def build_from(parents: Parents, stamp: tuple[str, int], size: int, previous: PageIndex | None) -> PageIndex:
+    """``build`` from parents already read (``ParentSums``) for a collection of this stamp."""
+    generation, count = stamp
     if not size:
         return PageIndex(generation, count, size)
-    parents = read_parents(collection)
     small = {k: i for i, k in enumerate(parents.keys) if parents.tokens[i] <= SMALL_SHARE * size}
     kept = {key: [p for p in members if p in small]
             for key, members in (previous.pages.items() if previous and previous.tokens == size else [])}
@@ -166,16 +193,12 @@ def load(path: Path) -> PageIndex | None:
         return None
 
 
-def current(collection: Collection, cfg: ChromaSettings, settings: PageSettings, *, write: bool) -> PageIndex:
-    """The pages of the collection as it is now: the saved ones if their stamp matches, else rebuilt from the
-    saved ones (and saved, with ``write``: ingest, holding the write lock). The page size is ingest's choice:
-    a service rebuilds with the size the saved pages were made for (``settings`` only where none were saved)."""
-    path = path_of(cfg)
-    saved = load(path)
-    size = saved.tokens if saved is not None and not write else settings.tokens
+def current(collection: Collection, cfg: ChromaSettings, settings: PageSettings) -> PageIndex:
+    """The pages of the collection as it is now: the saved ones if their stamp matches, else rebuilt in memory
+    from the saved ones (a writer saves them: ``app.core.derived``). The page size is ingest's choice: a service
+    rebuilds with the size the saved pages were made for (``settings`` only where none were saved)."""
+    saved = load(path_of(cfg))
+    size = saved.tokens if saved is not None else settings.tokens
     if saved is not None and saved.stamp == (*stamp_of(collection), size):
         return saved
-    index = build(collection, size, previous=saved)
-    if write:
-        save(index, path)
-    return index
+    return build(collection, size, previous=saved)

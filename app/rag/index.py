@@ -100,13 +100,13 @@ class CollectionIndex:
         """The BM25 index of the collection as opened: loaded from ingest's files when their stamp matches,
         else built from Chroma's rows, on the background thread. None while that runs (unless ``wait``)."""
         found: lexical.LexicalIndex | None = self._index(
-            "lexical", lambda c: lexical.current(c, self.chroma, write=False), wait)
+            "lexical", lambda c: lexical.current(c, self.chroma), wait)
         return found
 
     def page_index(self, wait: bool = False) -> pages.PageIndex | None:
         """The collection's pages (``app.core.pages``), loaded or rebuilt like the BM25 index."""
         found: pages.PageIndex | None = self._index(
-            "pages", lambda c: pages.current(c, self.chroma, self.paging, write=False), wait)
+            "pages", lambda c: pages.current(c, self.chroma, self.paging), wait)
         return found
 
     def indexes_in_use(self) -> tuple[str, ...]:
@@ -187,7 +187,11 @@ class CollectionIndex:
         return kept | fresh
 
     def sources(self) -> list[str]:
-        """Every source in the collection (read page by page, reused for ``SOURCES_TTL_S``)."""
+        """Every source in the collection: the BM25 index's list where it is loaded (it holds each row's
+        source: nothing is read), else read page by page and reused for ``SOURCES_TTL_S``."""
+        loaded = self._derived.get("lexical")
+        if loaded is not None and loaded.done() and loaded.exception() is None:
+            return loaded.result().distinct_sources  # type: ignore[no-any-return]
         fetched_at, sources = self._sources
         if time.monotonic() - fetched_at > SOURCES_TTL_S:
             with chroma_errors("read"):

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any, BinaryIO, Literal
 
-from app.core import lexical, pages
+from app.core import derived
 from app.core.errors import BadRequest, NotFound, StoreUnavailable, UnsupportedMediaType
 from app.core.records import DOCUMENT_SUFFIXES, file_hash, pipeline_identity
 from app.core.settings import Settings, environment_of
@@ -166,8 +166,7 @@ class Documents:
         chroma = self.settings.chroma
         with write_lock(chroma, self.settings.ingest.lock_timeout_s), chroma_errors("index"):
             collection = open_collection(chroma, self.index.embedder, create=False)
-            lexical.current(collection, chroma, write=True)
-            pages.current(collection, chroma, self.settings.pages, write=True)
+            derived.save_current(collection, chroma, self.settings.pages)
 
     async def aclose(self) -> None:
         if self._runner is not None:

@@ -60,10 +60,9 @@ def test_a_question_answered_while_a_reload_loads_the_pages_is_not_remembered_un
     members = next(m for m in pages.load(pages.path_of(settings.chroma)).pages.values() if len(m) >= 3)
     loaded, fake = pages.current, FakeVLLM()
 
-    def slow_to_load(collection, cfg, paging, *, write):  # the service's load takes a big corpus's time
-        if not write:  # longer than an ingest takes from its first stamp to its exit: both reloads see it
-            time.sleep(6)
-        return loaded(collection, cfg, paging, write=write)
+    def slow_to_load(collection, cfg, paging):  # the service's load takes a big corpus's time: longer than an
+        time.sleep(6)  # ingest takes from its first stamp to its exit, so both reloads see it
+        return loaded(collection, cfg, paging)
 
     with AppServer(create_app(settings, embedder=embedder, llm=fake)) as server:
         server.wait_ready()

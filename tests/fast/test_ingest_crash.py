@@ -56,7 +56,7 @@ def test_sigkill_mid_ingest_then_rerun_equals_clean_ingest(tmp_path, settings_fa
     # Before any re-run, a service's lexical view (saved copy or rebuilt) is exactly what Chroma holds.
     from app.core import lexical
 
-    assert set(lexical.current(collection_of(crashed, embedder), crashed.chroma, write=False).ids) == set(
+    assert set(lexical.current(collection_of(crashed, embedder), crashed.chroma).ids) == set(
         snapshot(crashed, embedder))
     report = run_ingest([corpus], crashed, embedder)
     run_ingest([corpus], clean, embedder)

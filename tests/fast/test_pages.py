@@ -41,3 +41,47 @@ def test_the_same_corpus_gives_the_same_pages_and_a_re_ingest_moves_no_document(
     placed = {p for members in after.pages.values() for p in members}
     assert placed == stored_parents(first, embedder) and "para-009" not in placed
     assert {"para-005", "para-006", "para-007"} <= placed
+
+
+class CountedReads:
+    """A collection whose ``get`` calls are counted (every other call passes through)."""
+
+    def __init__(self, collection) -> None:
+        self.collection, self.reads = collection, 0
+
+    def get(self, **kwargs):
+        self.reads += 1
+        return self.collection.get(**kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.collection, name)
+
+
+def test_a_writer_saves_bm25_and_pages_from_one_read_of_the_rows_each_as_built_alone(tmp_path, settings_factory,
+                                                                                    embedder):
+    from app.core import derived, lexical
+
+    write_notes(tmp_path / "docs")
+    settings = paged(settings_factory(path=tmp_path / "chroma"))
+    run_ingest([tmp_path / "docs"], settings, embedder)  # saves both, through derived.save_current
+    collection = CountedReads(collection_of(settings, embedder))
+    folder, path = lexical.index_dir(settings.chroma), pages.path_of(settings.chroma)
+    saved, alone = lexical.load(folder), lexical.build(collection)
+    assert (saved.ids, saved.sources) == (alone.ids, alone.sources) and len(saved.ids) > 30
+    for question in ("prefix cache", "pages grouped by meaning", "vLLM"):
+        assert saved.search(question, 5) == alone.search(question, 5)
+    assert pages.load(path).pages == pages.build(collection, PAGE_TOKENS).pages
+
+    path.unlink()
+    modified = (folder / lexical.META).stat().st_mtime_ns
+    collection.reads = 0
+    derived.save_current(collection, settings.chroma, settings.pages)  # the pages alone are stale
+    assert (folder / lexical.META).stat().st_mtime_ns == modified and pages.load(path).pages
+    assert collection.reads == 1  # one page of rows
+    import shutil
+    shutil.rmtree(folder)
+    path.unlink()
+    collection.reads = 0
+    derived.save_current(collection, settings.chroma, settings.pages)
+    assert collection.reads == 1, "both indexes from one read"
+    assert lexical.load(folder).ids == saved.ids and pages.load(path).pages

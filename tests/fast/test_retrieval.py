@@ -237,3 +237,14 @@ def test_a_chunk_chroma_just_returned_is_read_from_it_once_until_the_collection_
     assert [c.id for c in retriever.retrieve_sync(question, 3, mode="hybrid")] == first
     assert read[2:] == [sorted(first)]
     retriever.index.close()
+
+
+def test_a_source_filter_takes_the_sources_from_the_loaded_bm25_index_without_reading_chroma(retriever,
+                                                                                            monkeypatch):
+    index = retriever.index
+    stored = sorted({meta["source"] for meta in index.collection.get(include=["metadatas"])["metadatas"]})
+    reads = []
+    get = index.collection.get
+    monkeypatch.setattr(index.collection, "get", lambda **kw: reads.append(kw) or get(**kw))
+    assert index.sources() == stored and len(stored) > 1
+    assert reads == []
