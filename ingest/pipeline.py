@@ -21,15 +21,14 @@ from pathlib import Path
 from typing import Any
 
 from app.core import derived
+from app.core.inventory import StoredDocument, stored_documents
 from app.core.records import pipeline_identity, sha256
 from app.core.settings import Settings
 from app.core.store import (
     CollectionMissing,
-    StoredDocument,
     first_run_running,
     mark_changed,
     open_collection,
-    stored_documents,
     write_lock,
 )
 from ingest.chunking import Chunker
@@ -67,7 +66,7 @@ def run_ingest(roots: list[Path], settings: Settings, embedder: Any, *, prune: b
     with write_lock(settings.chroma, settings.ingest.lock_timeout_s):
         collection = _open_for(settings, embedder, dry_run)
         with report.timed("scan"):
-            stored = stored_documents(collection) if collection is not None else {}
+            stored = stored_documents(collection, settings.chroma) if collection is not None else {}
         by_source: dict[str, list[StoredDocument]] = {}
         ids_by_source: dict[str, list[str]] = {}
         for doc_id, entry in stored.items():

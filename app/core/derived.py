@@ -1,38 +1,47 @@
-"""What a writer leaves beside the collection after changing it: the BM25 index and the pages, each stamped with
-the collection's generation and row count (``app.core.lexical``, ``app.core.pages``).
+"""What a writer leaves beside the collection after changing it: the BM25 index, the pages and the inventory of
+its documents, each stamped with the collection's generation and row count (``app.core.lexical``,
+``app.core.pages``, ``app.core.inventory``).
 
-Both are built from every row of the collection. Where both are stale (every run that wrote), they are built from
+Each is built from every row of the collection. Whatever is stale (all three after a run that wrote) is built from
 one read of the rows, a page at a time, tokenized and summed as the pages arrive: a large collection is read once,
 not once per index, and its texts are never all held at once.
 """
 
 from __future__ import annotations
 
-from app.core import lexical, pages
+from typing import Any, Protocol
+
+from app.core import inventory, lexical, pages
 from app.core.seams import Collection
 from app.core.settings import ChromaSettings, PageSettings
 from app.core.store import all_rows, stamp_of
 
 
+class RowsBuilder(Protocol):
+    def add(self, rows: dict[str, Any]) -> None: ...
+
+
 def save_current(collection: Collection, cfg: ChromaSettings, paging: PageSettings) -> None:
-    """Save the BM25 index and the pages for the collection as it is now, rebuilding only what is stale (the
-    caller holds the write lock: ingest at the end of a run, the documents API after a delete)."""
+    """Save the BM25 index, the pages and the inventory for the collection as it is now, rebuilding only what is
+    stale (the caller holds the write lock: ingest at the end of a run, the documents API after a delete)."""
     stamp = stamp_of(collection)
-    folder, path = lexical.index_dir(cfg), pages.path_of(cfg)
+    folder, path, listed = lexical.index_dir(cfg), pages.path_of(cfg), inventory.path_of(cfg)
     saved_lexical, saved_pages = lexical.load(folder), pages.load(path)
-    lexical_stale = saved_lexical is None or saved_lexical.stamp != stamp
-    pages_stale = saved_pages is None or saved_pages.stamp != (*stamp, paging.tokens)
-    if not (lexical_stale or pages_stale):
-        return
-    terms, parents = lexical.LexicalRows(), pages.ParentSums()
-    summed = pages_stale and paging.tokens > 0  # pages off (0 tokens) need no vectors
-    include = sorted(set(lexical.ROWS_READ) | (set(pages.ROWS_READ) if summed else set()))
-    for rows in all_rows(collection, include):
-        if lexical_stale:
-            terms.add(rows)
-        if summed:
-            parents.add(rows)
-    if lexical_stale:
+    terms = lexical.LexicalRows() if saved_lexical is None or saved_lexical.stamp != stamp else None
+    stale_pages = saved_pages is None or saved_pages.stamp != (*stamp, paging.tokens)
+    parents = pages.ParentSums() if stale_pages and paging.tokens else None  # pages off (0 tokens): no vectors
+    documents = inventory.DocumentRows() if inventory.recorded_stamp(listed) != stamp else None
+    built: list[tuple[RowsBuilder | None, list[str]]] = [
+        (terms, lexical.ROWS_READ), (parents, pages.ROWS_READ), (documents, inventory.ROWS_READ)]
+    builders = [(builder, reads) for builder, reads in built if builder is not None]
+    if builders:
+        for rows in all_rows(collection, sorted({field for _, reads in builders for field in reads})):
+            for builder, _ in builders:
+                builder.add(rows)
+    if terms is not None:
         lexical.save(terms.index(stamp[0]), folder)
-    if pages_stale:
-        pages.save(pages.build_from(parents.parents(), stamp, paging.tokens, saved_pages), path)
+    if stale_pages:
+        sums = parents.parents() if parents is not None else None
+        pages.save(pages.build_from(sums, stamp, paging.tokens, saved_pages), path)
+    if documents is not None:
+        inventory.save(documents.documents, stamp, listed)

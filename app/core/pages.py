@@ -127,14 +127,13 @@ def _pack(leaves: list[list[int]], tokens: np.ndarray, limit: float) -> list[lis
 def build(collection: Collection, size: int, previous: PageIndex | None = None) -> PageIndex:
     """Pages of about ``size`` tokens (0: none), keeping ``previous``'s where it was built for that size."""
     stamp = stamp_of(collection)
-    return build_from(read_parents(collection) if size else Parents([], np.zeros(0), np.zeros((0, 1))), stamp,
-                      size, previous)
+    return build_from(read_parents(collection) if size else None, stamp, size, previous)
 
 
-def build_from(parents: Parents, stamp: tuple[str, int], size: int, previous: PageIndex | None) -> PageIndex:
-    """``build`` from parents already read (``ParentSums``) for a collection of this stamp."""
+def build_from(parents: Parents | None, stamp: tuple[str, int], size: int, previous: PageIndex | None) -> PageIndex:
+    """``build`` from parents already read (``ParentSums``; None with paging off) for a collection of this stamp."""
     generation, count = stamp
-    if not size:
+    if not size or parents is None:
         return PageIndex(generation, count, size)
     small = {k: i for i, k in enumerate(parents.keys) if parents.tokens[i] <= SMALL_SHARE * size}
     kept = {key: [p for p in members if p in small]

@@ -12,12 +12,10 @@ import threading
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 from urllib.parse import urlparse
 
-from app.core.records import ChunkRecord
 from app.core.seams import Collection, Embedder
 from app.core.settings import ChromaSettings
 
@@ -144,19 +142,6 @@ def forget_clients() -> None:
     SharedSystemClient.clear_system_cache()
 
 
-@dataclass
-class StoredDocument:
-    doc_hash: str
-    n_chunks: int
-    source: str
-    ids: list[str]
-    file_hash: str = ""  # hash of the raw source file: equal and complete -> the file need not even be parsed
-
-    @property
-    def complete(self) -> bool:
-        return bool(self.doc_hash) and len(self.ids) == self.n_chunks
-
-
 def all_rows(collection: Collection, include: list[str], where: dict[str, Any] | None = None,
              size: int = PAGE) -> Iterator[dict[str, Any]]:
     """Every row of the collection (or those matching ``where``), ``size`` rows per read: memory stays flat on
@@ -168,22 +153,6 @@ def all_rows(collection: Collection, include: list[str], where: dict[str, Any] |
         if len(page["ids"]) < size:
             return
         offset += size
-
-
-def stored_documents(collection: Collection) -> dict[str, StoredDocument]:
-    """What the collection holds, per document id: its hash, expected chunk count and present chunk ids."""
-    documents: dict[str, StoredDocument] = {}
-    for page in all_rows(collection, ["metadatas"]):
-        for chunk_id, meta in zip(page["ids"], page["metadatas"]):
-            record = ChunkRecord.from_metadata(meta)
-            entry = documents.setdefault(record.doc_id, StoredDocument(
-                record.doc_hash, record.n_chunks, record.source, [], record.file_hash))
-            if record.doc_hash != entry.doc_hash:
-                entry.doc_hash = ""  # mixed generations (an interrupted update): never "unchanged"
-            if record.file_hash != entry.file_hash:
-                entry.file_hash = ""
-            entry.ids.append(chunk_id)
-    return documents
 
 
 @contextmanager

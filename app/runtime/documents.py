@@ -25,16 +25,15 @@ from typing import Any, BinaryIO, Literal
 
 from app.core import derived
 from app.core.errors import BadRequest, NotFound, StoreUnavailable, UnsupportedMediaType
+from app.core.inventory import StoredDocument, stored_documents
 from app.core.records import DOCUMENT_SUFFIXES, file_hash, pipeline_identity
 from app.core.settings import Settings, environment_of
 from app.core.settings_names import LEGACY, PREFIX
 from app.core.store import (
     CollectionMissing,
-    StoredDocument,
     StoreError,
     mark_changed,
     open_collection,
-    stored_documents,
     write_lock,
 )
 from app.rag.index import CollectionIndex, chroma_errors
@@ -128,7 +127,8 @@ class Documents:
     def _held(self) -> dict[str, StoredDocument]:
         """What the collection holds, per document (nothing while it does not exist yet), as stored now."""
         try:
-            return stored_documents(open_collection(self.settings.chroma, self.index.embedder, create=False))
+            chroma = self.settings.chroma
+            return stored_documents(open_collection(chroma, self.index.embedder, create=False), chroma)
         except CollectionMissing:
             return {}
         except StoreError as exc:

@@ -51,6 +51,30 @@ def test_rerun_on_unchanged_corpus_writes_nothing(tmp_path, settings_factory, em
     assert lexical_ids(settings) == set(before)  # the BM25 index beside it holds exactly the same ids
 
 
+def test_a_rerun_takes_what_is_stored_from_the_last_runs_record_and_never_a_stale_one(tmp_path, settings_factory,
+                                                                                       embedder, monkeypatch):
+    """The inventory a run starts from is the one the last run recorded beside the collection (no row read); a
+    change made since outside a run moved the collection's stamp, and the rows are read again."""
+    from app.core import inventory
+    from app.core.store import mark_changed
+
+    corpus = write_corpus(tmp_path / "corpus")
+    settings = settings_factory()
+    run_ingest([corpus], settings, embedder)
+    collection = collection_of(settings, embedder)
+    from_rows = inventory.stored_documents(collection)
+    assert inventory.stored_documents(collection, settings.chroma) == from_rows and len(from_rows) > 4
+    reads = []
+    real = inventory.all_rows
+    monkeypatch.setattr(inventory, "all_rows", lambda *args, **kwargs: reads.append(args) or real(*args, **kwargs))
+    assert run_ingest([corpus], settings, embedder).files_unchanged == 5 and reads == []
+    collection.delete(ids=from_rows["notes.txt"].ids[:1])  # one chunk gone behind the last run's back
+    mark_changed(collection)
+    again = run_ingest([corpus], settings, embedder)
+    assert reads and again.files_unchanged == 4 and again.writes > 0  # read from the rows: its chunk missing
+    assert inventory.stored_documents(collection_of(settings, embedder), settings.chroma) == from_rows
+
+
 def test_modified_file_replaces_its_chunks_and_reuses_unchanged_embeddings(tmp_path, settings_factory, embedder):
     corpus = write_corpus(tmp_path / "corpus")
     settings = settings_factory()
