@@ -64,17 +64,10 @@ def not_a_file(path: Path) -> str:
 
 
 def load(path: Path, rel: str, settings: Settings, identity: str, stored_by_source: dict[str, Any]) -> FileResult:
-    result = FileResult(path, rel)
+    result, raw = hashed(path, rel, settings, identity, stored_by_source)
+    if raw is None:  # unreadable, or unchanged
+        return result
     try:
-        size_mb = path.stat().st_size / 1e6
-        if size_mb > settings.ingest.max_file_mb:
-            raise LoadError(f"too large: {size_mb:.1f} MB > limit {settings.ingest.max_file_mb:g} MB")
-        raw = path.read_bytes()
-        result.file_hash = file_hash(hashlib.sha256(raw).hexdigest(), identity)
-        known = stored_by_source.get(rel, [])
-        if known and all(doc.file_hash == result.file_hash and doc.complete for doc in known):
-            result.skipped_unchanged = True  # an unchanged file costs one hash, not a parse
-            return result
         result.documents = load_file(path, rel, settings.chunking.parent_field, raw)
         for document in result.documents:
             document.file_hash = result.file_hash
@@ -83,3 +76,27 @@ def load(path: Path, rel: str, settings: Settings, identity: str, stored_by_sour
     except (OSError, RecursionError, ValueError) as exc:
         result.error = f"{type(exc).__name__}: {exc}"
     return result
+
+
+def hashed(path: Path, rel: str, settings: Settings, identity: str,
+           stored_by_source: dict[str, Any]) -> tuple[FileResult, bytes | None]:
+    """The file read and hashed: its bytes to parse, or None where it cannot be read (``error``) or is stored
+    unchanged (``skipped_unchanged``: an unchanged file costs one hash, not a parse)."""
+    result = FileResult(path, rel)
+    try:
+        size_mb = path.stat().st_size / 1e6
+        if size_mb > settings.ingest.max_file_mb:
+            raise LoadError(f"too large: {size_mb:.1f} MB > limit {settings.ingest.max_file_mb:g} MB")
+        raw = path.read_bytes()
+    except LoadError as exc:
+        result.error = str(exc)
+        return result, None
+    except OSError as exc:
+        result.error = f"{type(exc).__name__}: {exc}"
+        return result, None
+    result.file_hash = file_hash(hashlib.sha256(raw).hexdigest(), identity)
+    known = stored_by_source.get(rel, [])
+    if known and all(doc.file_hash == result.file_hash and doc.complete for doc in known):
+        result.skipped_unchanged = True
+        return result, None
+    return result, raw

@@ -33,7 +33,7 @@ from app.core.store import (
 )
 from ingest.chunking import Chunker
 from ingest.documents import SourceDocument
-from ingest.files import FileResult, discover, load
+from ingest.files import FileResult, discover, hashed, load
 from ingest.report import IngestReport, Progress
 from ingest.writer import ChunkWriter
 
@@ -84,10 +84,14 @@ def run_ingest(roots: list[Path], settings: Settings, embedder: Any, *, prune: b
             known = {doc_id: stored[doc_id] for doc_id in ids_by_source.get(rel, [])}
             return path, rel, settings, identity, {rel: by_source.get(rel, [])}, known
 
+        def unchanged(path: Path, rel: str) -> FileResult | None:  # decided here, without a chunking process
+            result, _ = hashed(path, rel, settings, identity, by_source)
+            return result if result.skipped_unchanged else None
+
         writer = ChunkWriter(collection, embedder, settings.ingest.write_batch, dry_run, report,
                              before_first_write=lambda: mark_changed(collection))
         try:
-            with file_preparers(files, settings, prepare, prepare_apart) as (submit, depth):
+            with file_preparers(files, settings, prepare, prepare_apart, unchanged) as (submit, depth):
                 _write_and_prune(files, submit, depth, stored, ids_by_source, writer, report, prune, progress)
         except BaseException:
             with contextlib.suppress(Exception):  # the write in flight lands (or fails) before the stamp moves
@@ -156,11 +160,13 @@ def plan(result: FileResult, stored: dict[str, StoredDocument], chunker: Callabl
 
 @contextlib.contextmanager
 def file_preparers(files: list[tuple[Path, str]], settings: Settings, prepare: Callable[[Path, str], FileResult],
-                   prepare_apart: Callable[[Path, str], tuple[Any, ...]]) -> Iterator[tuple[Any, int]]:
+                   prepare_apart: Callable[[Path, str], tuple[Any, ...]],
+                   unchanged: Callable[[Path, str], FileResult | None]) -> Iterator[tuple[Any, int]]:
     """``(submit, depth)``: ``submit(path, rel)`` starts loading and chunking a file and returns its future;
     ``depth`` files are kept in progress. One worker thread, or, for a large enough run, ``chunk_processes()``
     processes (each with its own copy of the encoder's tokenizer, seconds to start), which are given only the
-    stored documents of the file's own source."""
+    stored documents of the file's own source; a file stored unchanged (``unchanged``, one hash) needs none of
+    them, and a run that changes nothing starts no process (the pool starts each on demand)."""
     workers = settings.ingest.chunk_processes() if _bytes(files) >= PROCESSES_FROM_BYTES else 0
     if not workers:
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="ingest-load") as thread:
@@ -171,6 +177,10 @@ def file_preparers(files: list[tuple[Path, str]], settings: Settings, prepare: C
 
         def submit(path: Path, rel: str) -> Joined:
             """A large file (one jsonl of many records) is planned in ``workers`` slices of its documents."""
+            if (skipped := unchanged(path, rel)) is not None:
+                done: Future[FileResult] = Future()
+                done.set_result(skipped)
+                return Joined([done])
             parts = workers if _bytes([(path, rel)]) >= SLICE_FROM_BYTES else 1
             work = functools.partial(prepare_in_worker, *prepare_apart(path, rel))
             return Joined([pool.submit(work, part, parts) for part in range(parts)])

@@ -305,7 +305,10 @@ print(errors)
 
 def test_chunking_processes_store_what_one_thread_stores(tmp_path, settings_factory, embedder, monkeypatch):
     """``chunk_workers`` (a GPU host's default): the same chunks, ids and metadata as one thread; a record moved to
-    another file is still known unchanged, although a process sees only its own file's stored documents."""
+    another file is still known unchanged, although a process sees only its own file's stored documents; a run
+    that changes nothing starts no process."""
+    from concurrent.futures import ProcessPoolExecutor
+
     corpus = write_corpus(tmp_path / "corpus")
     one, apart = settings_factory(path=tmp_path / "one"), settings_factory(path=tmp_path / "apart")
     apart.ingest.chunk_workers = 2
@@ -315,6 +318,11 @@ def test_chunking_processes_store_what_one_thread_stores(tmp_path, settings_fact
     run_ingest([corpus], one, embedder)
     first = run_ingest([corpus], apart, embedder)
     assert first.files_added == 5 and snapshot(one, embedder) == snapshot(apart, embedder)
+    submitted = []
+    real_submit = ProcessPoolExecutor.submit
+    monkeypatch.setattr(ProcessPoolExecutor, "submit", lambda pool, *a, **k: submitted.append(a) or real_submit(
+        pool, *a, **k))
+    assert run_ingest([corpus], apart, embedder).files_unchanged == 5 and not submitted  # no process started
     records = [json.loads(line) for line in (corpus / "animals.jsonl").read_text().splitlines()]
     (corpus / "animals.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records[:2]))
     (corpus / "bees.jsonl").write_text(json.dumps(records[2]) + "\n")  # Bees#0 moved to a file of its own
