@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import stat
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,8 @@ from ingest.chunking import Chunk
 from ingest.documents import LoadError, SourceDocument
 from ingest.loaders import is_supported, load_file
 
+Plan = tuple[SourceDocument, str, list[Chunk] | None]
+
 
 @dataclass
 class FileResult:
@@ -24,7 +27,7 @@ class FileResult:
     error: str | None = None
     file_hash: str = ""
     skipped_unchanged: bool = False  # the raw bytes match what is stored: not parsed at all
-    plans: list[tuple[SourceDocument, str, list[Chunk] | None]] = field(default_factory=list)  # doc, hash, chunks
+    plans: Iterable[Plan] = ()  # each document, its hash, its chunks (None: stored unchanged), in file order
 
 
 def discover(roots: list[Path]) -> tuple[list[tuple[Path, str]], int, list[dict[str, Any]]]:

@@ -11,12 +11,13 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import math
 import multiprocessing
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
-from itertools import zip_longest
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -33,12 +34,13 @@ from app.core.store import (
 )
 from ingest.chunking import Chunker
 from ingest.documents import SourceDocument
-from ingest.files import FileResult, discover, hashed, load
+from ingest.files import FileResult, Plan, discover, hashed, load
 from ingest.report import IngestReport, Progress
 from ingest.writer import ChunkWriter
 
 PROCESSES_FROM_BYTES = 4_000_000  # a run smaller than this chunks on one thread (an upload of a few files)
-SLICE_FROM_BYTES = 1_000_000  # a file this large is chunked by every process, a slice of its documents each
+SLICE_FROM_BYTES = 1_000_000  # a file this large is chunked by every process, blocks of its documents each
+BLOCK_BYTES = 500_000  # about this much of such a file per block: writing starts when its first block is chunked
 
 
 def chunker_for(settings: Settings, embedder: Any) -> Chunker:
@@ -91,7 +93,8 @@ def run_ingest(roots: list[Path], settings: Settings, embedder: Any, *, prune: b
         writer = ChunkWriter(collection, embedder, settings.ingest.write_batch, dry_run, report,
                              before_first_write=lambda: mark_changed(collection))
         try:
-            with file_preparers(files, settings, prepare, prepare_apart, unchanged) as (submit, depth):
+            with file_preparers(files, settings, prepare, prepare_apart, unchanged, chunker,
+                                lambda: report.timed("load")) as (submit, depth):
                 _write_and_prune(files, submit, depth, stored, ids_by_source, writer, report, prune, progress)
         except BaseException:
             with contextlib.suppress(Exception):  # the write in flight lands (or fails) before the stamp moves
@@ -151,57 +154,74 @@ def _failed(report: IngestReport) -> set[str]:
 def plan(result: FileResult, stored: dict[str, StoredDocument], chunker: Callable[[], Chunker],
          identity: str) -> FileResult:
     """Hash each loaded document and chunk the changed ones (worker thread: reads ``stored``, writes nothing)."""
+    plans = []
     for document in result.documents:
         doc_hash = document_hash(document, identity)
         unchanged = is_unchanged(stored.get(document.doc_id), doc_hash)
-        result.plans.append((document, doc_hash, None if unchanged else chunker().chunk(document)))
+        plans.append((document, doc_hash, None if unchanged else chunker().chunk(document)))
+    result.plans = plans
     return result
 
 
 @contextlib.contextmanager
 def file_preparers(files: list[tuple[Path, str]], settings: Settings, prepare: Callable[[Path, str], FileResult],
                    prepare_apart: Callable[[Path, str], tuple[Any, ...]],
-                   unchanged: Callable[[Path, str], FileResult | None]) -> Iterator[tuple[Any, int]]:
+                   unchanged: Callable[[Path, str], FileResult | None], chunker: Callable[[], Chunker],
+                   waited: Callable[[], AbstractContextManager[Any]]) -> Iterator[tuple[Any, int]]:
     """``(submit, depth)``: ``submit(path, rel)`` starts loading and chunking a file and returns its future;
     ``depth`` files are kept in progress. One worker thread, or, for a large enough run, ``chunk_processes()``
-    processes (each with its own copy of the encoder's tokenizer, seconds to start), which are given only the
-    stored documents of the file's own source; a file stored unchanged (``unchanged``, one hash) needs none of
-    them, and a run that changes nothing starts no process (the pool starts each on demand)."""
+    processes, which are given only the stored documents of the file's own source. A file stored unchanged
+    (``unchanged``, one hash here) needs none of them: the processes start with the first file that changed, each
+    given this process's ``chunker`` (a tokenizer, without the encoder or torch to import). ``waited`` times the
+    wait for a large file's later blocks."""
     workers = settings.ingest.chunk_processes() if _bytes(files) >= PROCESSES_FROM_BYTES else 0
     if not workers:
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="ingest-load") as thread:
             yield (lambda path, rel: thread.submit(prepare, path, rel)), settings.ingest.prefetch_files
         return
-    # spawn: this process may hold CUDA and threads, which a forked child must not inherit
-    with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+    with contextlib.ExitStack() as stack:
+        started: list[ProcessPoolExecutor] = []
+
+        def pool() -> ProcessPoolExecutor:
+            if not started:  # spawn: this process may hold CUDA and threads, which a forked child must not inherit
+                started.append(stack.enter_context(ProcessPoolExecutor(
+                    max_workers=workers, mp_context=multiprocessing.get_context("spawn"), initializer=_adopt,
+                    initargs=(chunker(),))))
+            return started[0]
 
         def submit(path: Path, rel: str) -> Joined:
-            """A large file (one jsonl of many records) is planned in ``workers`` slices of its documents."""
+            """A large file (one jsonl of many records) is planned in blocks of its documents, by every process."""
             if (skipped := unchanged(path, rel)) is not None:
                 done: Future[FileResult] = Future()
                 done.set_result(skipped)
-                return Joined([done])
-            parts = workers if _bytes([(path, rel)]) >= SLICE_FROM_BYTES else 1
+                return Joined([done], waited)
+            size = _bytes([(path, rel)])
+            parts = max(workers, math.ceil(size / BLOCK_BYTES)) if size >= SLICE_FROM_BYTES else 1
             work = functools.partial(prepare_in_worker, *prepare_apart(path, rel))
-            return Joined([pool.submit(work, part, parts) for part in range(parts)])
+            return Joined([pool().submit(work, part, parts) for part in range(parts)], waited)
 
         yield submit, max(settings.ingest.prefetch_files, 2 * workers)
 
 
 class Joined:
-    """The slices of one file planned apart, read back as one ``FileResult`` in the file's own document order
-    (slice k holds documents k, k + n, k + 2n ...)."""
+    """The blocks of one file planned apart, read back as one ``FileResult`` whose plans come block by block in
+    the file's own order: its first documents are embedded and written while the processes plan the rest."""
 
-    def __init__(self, slices: list[Future[FileResult]]) -> None:
-        self.slices = slices
+    def __init__(self, blocks: list[Future[FileResult]], waited: Callable[[], AbstractContextManager[Any]]) -> None:
+        self.blocks, self.waited = blocks, waited
 
     def result(self) -> FileResult:
-        parts = [future.result() for future in self.slices]
-        whole = parts[0]
-        if len(parts) > 1 and whole.error is None and not whole.skipped_unchanged:
-            whole.documents = [d for row in zip_longest(*(p.documents for p in parts)) for d in row if d is not None]
-            whole.plans = [p for row in zip_longest(*(p.plans for p in parts)) for p in row if p is not None]
+        whole = self.blocks[0].result()
+        if len(self.blocks) > 1 and whole.error is None and not whole.skipped_unchanged:
+            whole.plans = self._plans(whole.plans)
         return whole
+
+    def _plans(self, first: Iterable[Plan]) -> Iterator[Plan]:
+        yield from first
+        for block in self.blocks[1:]:
+            with self.waited():
+                planned = block.result()
+            yield from planned.plans
 
 
 def _bytes(files: list[tuple[Path, str]]) -> int:
@@ -210,27 +230,25 @@ def _bytes(files: list[tuple[Path, str]]) -> int:
     return 0
 
 
-_worker_chunker: Chunker | None = None  # a chunking process's own, built on its first changed file
+_worker_chunker: Chunker | None = None  # a chunking process's copy of the parent's, given when the pool started
+
+
+def _adopt(chunker: Chunker) -> None:
+    global _worker_chunker
+    _worker_chunker = chunker
 
 
 def prepare_in_worker(path: Path, rel: str, settings: Settings, identity: str,
                       by_source: dict[str, list[StoredDocument]], stored: dict[str, StoredDocument],
                       part: int = 0, parts: int = 1) -> FileResult:
-    """``prepare`` in a chunking process: the file loaded, its documents (slice ``part`` of ``parts``) hashed and
-    the changed ones chunked with the encoder's tokenizer, loaded here on the CPU (the tokenizer is all it uses
-    of it)."""
-    from app.core.embedder import Embedder
-
-    def chunker() -> Chunker:
-        global _worker_chunker
-        if _worker_chunker is None:
-            cpu = settings.embedding.model_copy(update={"device": "cpu"})
-            _worker_chunker = chunker_for(settings, Embedder(cpu))
-        return _worker_chunker
-
+    """``prepare`` in a chunking process: the file loaded (parsing is cheap next to chunking), its documents of
+    block ``part`` of ``parts`` hashed and the changed ones chunked with the tokenizer the pool gave it."""
+    chunker = _worker_chunker
+    assert chunker is not None, "a chunking process starts with the parent's chunker (_adopt)"
     loaded = load(path, rel, settings, identity, by_source)
-    loaded.documents = loaded.documents[part::parts]
-    return plan(loaded, stored, chunker, identity)
+    count = len(loaded.documents)
+    loaded.documents = loaded.documents[count * part // parts:count * (part + 1) // parts]
+    return plan(loaded, stored, lambda: chunker, identity)
 
 
 def prefetched(items: list[Any], submit: Callable[..., Any], depth: int, report: IngestReport) -> Any:
