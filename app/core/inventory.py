@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from dataclasses import astuple, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +21,7 @@ from app.core.settings import ChromaSettings
 from app.core.store import all_rows, derived_dir, stamp_of
 
 ROWS_READ = ["metadatas"]  # what taking the inventory reads of each row
+FORMAT = 2  # on the stamp's line: a record of another layout is not read (the rows are)
 
 
 @dataclass
@@ -30,6 +31,7 @@ class StoredDocument:
     source: str
     ids: list[str]
     file_hash: str = ""  # hash of the raw source file: equal and complete -> the file need not even be parsed
+    parent: str = ""  # the parent it belongs to for units and pages (``ChunkRecord.parent_key``)
 
     @property
     def complete(self) -> bool:
@@ -46,7 +48,7 @@ class DocumentRows:
         for chunk_id, meta in zip(rows["ids"], rows["metadatas"]):
             record = ChunkRecord.from_metadata(meta)
             entry = self.documents.setdefault(record.doc_id, StoredDocument(
-                record.doc_hash, record.n_chunks, record.source, [], record.file_hash))
+                record.doc_hash, record.n_chunks, record.source, [], record.file_hash, record.parent_key))
             if record.doc_hash != entry.doc_hash:
                 entry.doc_hash = ""  # mixed generations (an interrupted update): never "unchanged"
             if record.file_hash != entry.file_hash:
@@ -65,6 +67,16 @@ def stored_documents(collection: Collection, cfg: ChromaSettings | None = None) 
     return rows.documents
 
 
+def parents_of(documents: dict[str, StoredDocument]) -> dict[str, tuple[int, str]]:
+    """Each parent's chunk count and its first chunk's id (in the order the rows were read, as a scan finds them)."""
+    parents: dict[str, tuple[int, str]] = {}
+    for entry in documents.values():
+        if entry.ids:
+            count, first = parents.get(entry.parent, (0, entry.ids[0]))
+            parents[entry.parent] = (count + len(entry.ids), first)
+    return parents
+
+
 def path_of(cfg: ChromaSettings) -> Path:
     folder = derived_dir(cfg, "documents")
     return folder.with_name(f"{folder.name}.jsonl")  # not with_suffix: collection names may hold dots
@@ -76,8 +88,8 @@ def save(documents: dict[str, StoredDocument], stamp: tuple[str, int], path: Pat
     path.parent.mkdir(parents=True, exist_ok=True)
     fresh = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}")
     with fresh.open("w") as out:
-        out.write(json.dumps(list(stamp)) + "\n")
-        out.write(json.dumps({doc_id: astuple(entry) for doc_id, entry in documents.items()},
+        out.write(json.dumps([*stamp, FORMAT]) + "\n")
+        out.write(json.dumps({doc_id: list(vars(entry).values()) for doc_id, entry in documents.items()},
                              separators=(",", ":")) + "\n")
     fresh.replace(path)
 
@@ -85,8 +97,8 @@ def save(documents: dict[str, StoredDocument], stamp: tuple[str, int], path: Pat
 def recorded_stamp(path: Path) -> tuple[str, int] | None:
     try:
         with path.open() as saved:
-            generation, count = json.loads(saved.readline())
-        return str(generation), int(count)
+            generation, count, layout = json.loads(saved.readline())
+        return (str(generation), int(count)) if layout == FORMAT else None
     except (OSError, ValueError, TypeError):
         return None
 
@@ -95,9 +107,8 @@ def load(path: Path, stamp: tuple[str, int]) -> dict[str, StoredDocument] | None
     """The recorded inventory if it was recorded for a collection of this stamp, else None."""
     try:
         with path.open() as saved:
-            if tuple(json.loads(saved.readline())) != stamp:
+            if tuple(json.loads(saved.readline())) != (*stamp, FORMAT):
                 return None
-            return {doc_id: StoredDocument(doc_hash, n_chunks, source, ids, file_hash)
-                    for doc_id, (doc_hash, n_chunks, source, ids, file_hash) in json.loads(saved.readline()).items()}
+            return {doc_id: StoredDocument(*fields) for doc_id, fields in json.loads(saved.readline()).items()}
     except (OSError, ValueError, TypeError):
         return None

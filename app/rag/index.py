@@ -15,11 +15,11 @@ from collections.abc import Awaitable, Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from app.core import lexical, pages
+from app.core import inventory, lexical, pages
 from app.core.errors import StoreUnavailable
 from app.core.records import ChunkRecord
 from app.core.settings import ChromaSettings, PageSettings, RetrievalSettings
-from app.core.store import StoreError, all_rows, forget_clients, open_collection, read_generation
+from app.core.store import StoreError, all_rows, forget_clients, open_collection, read_generation, stamp_of
 from app.rag.context import ContextChunk
 from app.rag.seams import Embedder
 
@@ -95,6 +95,16 @@ class CollectionIndex:
     def _count(self) -> int:
         with chroma_errors("count"):
             return int(self.collection.count())
+
+    async def recorded_parents(self) -> dict[str, tuple[int, str]] | None:
+        """Each parent's chunk count and first chunk id, from the inventory the last writer recorded beside the
+        collection as opened (``app.core.inventory``); None where there is none for it (read the rows then)."""
+        return await self.run(self._recorded_parents)
+
+    def _recorded_parents(self) -> dict[str, tuple[int, str]] | None:
+        with chroma_errors("read"):
+            documents = inventory.load(inventory.path_of(self.chroma), stamp_of(self.collection))
+        return inventory.parents_of(documents) if documents is not None else None
 
     def lexical_index(self, wait: bool = False) -> lexical.LexicalIndex | None:
         """The BM25 index of the collection as opened: loaded from ingest's files when their stamp matches,

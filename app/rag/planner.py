@@ -159,19 +159,20 @@ class ContextPlanner:
         counts windows, never their parent). Then every other window of those parents in the same order, so a
         question about any part of a big document finds it cached."""
         await self.index.indexes_ready(("pages",))  # which parents are paged (BM25 is not needed)
+        parents = await self._parents()
+        pages = self.index.page_index()
         sizes: Counter[str] = Counter()
-        first: dict[str, ContextChunk] = {}
-        for chunk in await self.index.chunks_where(None, texts=False):  # which parents, how big
-            key = self.units.page_of(chunk) or chunk.parent
-            sizes[key] += 1
+        first: dict[str, str | ContextChunk] = {}  # unit key -> its first chunk (or that chunk's id, read when due)
+        for parent, (count, chunk) in parents.items():
+            key = (pages.page_of(parent) if pages is not None else None) or parent
+            sizes[key] += count
             first.setdefault(key, chunk)
-        parents = {chunk.parent for chunk in first.values()}
         used = {key for key in self.hotness.keys() if (window := window_of(key)) and window.parent_id in parents}
         order = sorted([*sizes, *used], key=lambda key: (-self.hotness.score(key), -sizes[key], key))
         plan.planned = len(order)
         window_size: dict[str, int] = {}  # parent id -> its windows' size, for each parent found cut into windows
         for key in order:
-            hit = first[key] if key in first else await self.units.window_start(key)  # else a window
+            hit = await self._chunk(first[key]) if key in first else await self.units.window_start(key)  # a window
             unit = await self._unit_of(plan, hit, window_size)
             if unit is not None:
                 yield unit
@@ -183,6 +184,25 @@ class ContextPlanner:
             unit = await self._unit_of(plan, await self.units.window_start(key), window_size)
             if unit is not None:
                 yield unit
+
+    async def _parents(self) -> dict[str, tuple[int, str | ContextChunk]]:
+        """Each parent's chunk count and first chunk: from the inventory ingest recorded (nothing read but that
+        file), else from every chunk's metadata."""
+        recorded = await self.index.recorded_parents()
+        if recorded is not None:
+            return dict(recorded)
+        parents: dict[str, tuple[int, str | ContextChunk]] = {}
+        for chunk in await self.index.chunks_where(None, texts=False):
+            count, first = parents.get(chunk.parent, (0, chunk))
+            parents[chunk.parent] = (count + 1, first)
+        return parents
+
+    async def _chunk(self, chunk: str | ContextChunk) -> ContextChunk | None:
+        """The chunk, read by id where only its id is known (None: gone since)."""
+        if isinstance(chunk, ContextChunk):
+            return chunk
+        found = await self.index.run(self.index.chunks, [chunk], [0.0])
+        return found[0] if found else None
 
     async def _unit_of(self, plan: WarmPlan, hit: ContextChunk | None,
                        window_size: dict[str, int]) -> WarmUnit | None:

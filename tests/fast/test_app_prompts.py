@@ -161,3 +161,29 @@ def test_units_follow_the_served_window_unless_configured_smaller(notes, embedde
         server.wait_ready()
         units = server.app.state.services.planner.units.max_unit_tokens
     assert units == (configured or (65536 - settings.limits.max_tokens) // 2)  # a long window: long units
+
+
+def test_pre_warm_plans_from_the_inventory_ingest_recorded_as_it_would_from_every_row(notes, embedder,
+                                                                                      monkeypatch):
+    """The units and their order come from the inventory beside the collection, no chunk's metadata read; a
+    record that cannot be used (another layout here) is replaced by reading the rows, with the same plan."""
+    from app.core import inventory
+    from app.rag.index import CollectionIndex
+
+    _, _, index = notes
+    scans = []
+    real = CollectionIndex.chunks_where
+    monkeypatch.setattr(CollectionIndex, "chunks_where",
+                        lambda self, where, texts=True: scans.append(where) or real(self, where, texts))
+
+    def warm_ups() -> list[list[dict]]:
+        server, fake = serve(notes, embedder, strategy="document", top_k=1)
+        with server:
+            server.wait_ready()
+            server.wait_warmed(done=True)
+        return fake.prompts
+
+    recorded = warm_ups()
+    assert None not in scans and len(recorded) >= len(index.pages)  # no read of the whole collection
+    monkeypatch.setattr(inventory, "FORMAT", -1)
+    assert warm_ups() == recorded and None in scans
