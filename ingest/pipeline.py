@@ -280,8 +280,8 @@ def _ingest_file(result: FileResult, stored: dict[str, StoredDocument], writer: 
         if chunks is None:
             assert previous is not None  # only a stored document can be unchanged
             statuses.add("unchanged")
-            if previous.file_hash != result.file_hash:  # its file changed elsewhere: relabel, don't re-embed
-                writer.relabel(previous.ids, result.file_hash)
+            if (previous.file_hash, previous.source) != (result.file_hash, result.rel):  # its file changed
+                writer.relabel(previous.ids, result.file_hash, result.rel)  # elsewhere, or it moved: relabel only
             continue
         statuses.add("added" if previous is None else "updated")
         writer.add_document(document, chunks, doc_hash, previous.ids if previous else [])

@@ -148,8 +148,9 @@ class ChunkWriter:
         stale = [chunk_id for doc_id in done for chunk_id in self.pending.pop(doc_id).stale_ids]
         self._delete(stale)
 
-    def relabel(self, ids: list[str], file_hash: str) -> None:
-        """Record a new file hash on chunks whose content did not change (a metadata-only write)."""
+    def relabel(self, ids: list[str], file_hash: str, source: str) -> None:
+        """Record a new file (its hash, its path) on chunks whose content did not change: a record moved to
+        another file, or its file changed elsewhere (a metadata-only write)."""
         if self.dry_run:
             return
         self._settled()
@@ -157,7 +158,8 @@ class ChunkWriter:
         for batch in self._batches(ids):
             current = self.collection.get(ids=batch, include=["metadatas"])
             self.collection.update(ids=current["ids"],
-                                   metadatas=[meta | {"file_hash": file_hash} for meta in current["metadatas"]])
+                                   metadatas=[meta | {"file_hash": file_hash, "source": source}
+                                              for meta in current["metadatas"]])
         self.report.chunks_relabeled += len(ids)
 
     def delete_documents(self, ids_by_doc: dict[str, list[str]]) -> None:

@@ -331,6 +331,10 @@ def test_chunking_processes_store_what_one_thread_stores(tmp_path, settings_fact
     timeless = [vars(r) | {"seconds": 0, "stages_s": {}} for r in reports]
     assert timeless[1] == timeless[0]
     assert snapshot(one, embedder) == snapshot(apart, embedder)
+    moved = [meta["source"] for _, meta in snapshot(apart, embedder).values() if meta["doc_id"] == "Bees#0"]
+    assert moved and set(moved) == {"bees.jsonl"}  # cited from the file it is in now
+    submitted.clear()
+    assert run_ingest([corpus], apart, embedder).files_unchanged == 6 and not submitted  # settled
 
 
 def test_a_section_that_fits_one_chunk_is_cut_as_the_splitter_would_cut_it(settings_factory, embedder):
