@@ -56,12 +56,31 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--top-k", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-app", action="store_true", help="skip the app's start-up and memory")
+    parser.add_argument("--chroma-server", action="store_true",
+                        help="store in a `chroma run` server started here (under --work) instead of on-disk Chroma")
     parser.add_argument("--out", type=Path, help="JSON output (default bench/results/scale-<dataset>.json)")
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    args.chroma_url = None
+    if not args.chroma_server:
+        return measure(args, argv)
+    from app.vllm.process import chroma_child, free_port
+
+    port = free_port()
+    args.work.mkdir(parents=True, exist_ok=True)
+    server = chroma_child(args.work / "chroma-server", port, args.work / "chroma-server.log").start()
+    try:
+        server.wait_for(f"http://127.0.0.1:{port}/api/v2/heartbeat", 60)
+        args.chroma_url = f"http://127.0.0.1:{port}"
+        return measure(args, argv)
+    finally:
+        server.stop(20)
+
+
+def measure(args: argparse.Namespace, argv: list[str] | None) -> int:
     dataset = load_dataset(args.data)
     roots = args.pool if args.pool is not None else [args.data.parent / name for name in POOL]
     pool = sentence_pool(roots, args.pool_cache)
@@ -71,7 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     small = asyncio.run(retrieval_report(gold_alone(args, dataset.passages), questions, args.top_k, [1]))
     out = args.out or Path("bench/results") / f"scale-{dataset.name}.json"
     result = {"dataset": dataset.name, "questions": len(questions), "top_k": args.top_k, "pool_sentences": len(pool),
-              "small_corpus": small, "steps": [], "bytes_per_chunk": None,
+              "store": "chroma run" if args.chroma_url else "on disk", "small_corpus": small, "steps": [],
+              "bytes_per_chunk": None,
               "command": command_line("bench.scale", argv), "environment": environment()}
     for documents in sizes:
         corpus = build_corpus(dataset.passages, pool, documents, args.work / "corpus", args.seed)
@@ -96,6 +116,8 @@ def store_settings(args: argparse.Namespace, collection: str) -> Any:
 
     settings = Settings(_env_file=None)
     settings.chroma.path, settings.chroma.collection = args.work / "chroma", collection
+    if args.chroma_url:  # the derived indexes then live under lexical_dir
+        settings.chroma.url, settings.chroma.lexical_dir = args.chroma_url, args.work / "lexical"
     return settings
 
 

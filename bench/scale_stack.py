@@ -23,8 +23,11 @@ def app_startup(settings: Any, work: Path) -> dict[str, Any]:
     vllm_port, app_port = free_port(), free_port()
     vllm = Child("instant vLLM", [sys.executable, "-m", "bench.instant_vllm", "--port", str(vllm_port)],
                  work / "vllm.log").start()
-    env = {"PREFIXRAG_VLLM_URL": f"http://127.0.0.1:{vllm_port}/v1", "PREFIXRAG_CHROMA_PATH": str(settings.chroma.path),
-           "PREFIXRAG_COLLECTION": settings.chroma.collection, "PREFIXRAG_CONTEXT__HOTNESS_DIR": str(work / "hotness")}
+    chroma = settings.chroma
+    store = ({"PREFIXRAG_CHROMA_URL": chroma.url, "PREFIXRAG_CHROMA__LEXICAL_DIR": str(chroma.lexical_dir)}
+             if chroma.url else {"PREFIXRAG_CHROMA_PATH": str(chroma.path)})
+    env = {"PREFIXRAG_VLLM_URL": f"http://127.0.0.1:{vllm_port}/v1", "PREFIXRAG_COLLECTION": settings.chroma.collection,
+           "PREFIXRAG_CONTEXT__HOTNESS_DIR": str(work / "hotness"), **store}
     try:
         vllm.wait_for(f"http://127.0.0.1:{vllm_port}/v1/models", 60)
         started = time.perf_counter()
