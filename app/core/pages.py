@@ -91,21 +91,22 @@ def read_parents(collection: Collection) -> Parents:
 
 def group(vectors: np.ndarray, tokens: np.ndarray, limit: float) -> list[list[int]]:
     """Row indices grouped into pages of at most ``limit`` tokens (a row bigger than that alone)."""
-    from sklearn.cluster import KMeans
     from threadpoolctl import threadpool_limits
 
     with threadpool_limits(1):  # most splits are of a few hundred rows: a thread pool per call costs more than
-        return _pack(_leaves(vectors, tokens, limit, KMeans), tokens, limit)  # it saves (same pages either way)
+        return _pack(_leaves(vectors, tokens, limit), tokens, limit)  # it saves (same pages either way)
 
 
-def _leaves(vectors: np.ndarray, tokens: np.ndarray, limit: float, kmeans: Any) -> list[list[int]]:
+def _leaves(vectors: np.ndarray, tokens: np.ndarray, limit: float) -> list[list[int]]:
+    from sklearn.cluster import KMeans
+
     leaves, stack = [], [list(range(len(tokens)))] if len(tokens) else []
     while stack:  # depth-first, left half first: leaves come out in tree order
         members = stack.pop()
         if tokens[members].sum() <= limit or len(members) == 1:
             leaves.append(members)
             continue
-        labels = kmeans(n_clusters=2, n_init=3, random_state=0).fit_predict(vectors[members])
+        labels = KMeans(n_clusters=2, n_init=3, random_state=0).fit_predict(vectors[members])
         if labels.min() == labels.max():  # identical vectors: split in order
             labels = np.arange(len(members)) >= len(members) // 2
         first = labels == labels[0]  # the half holding the group's first row comes first
