@@ -15,6 +15,7 @@ from app.core.settings import Settings
 from app.serve.edge import RequestEdge
 from app.serve.http_errors import install_error_handlers
 from app.serve.observability import observe
+from app.serve.refusals import Refusals
 from app.serve.tenants import Tenants
 from app.vllm.client import LLMClient
 
@@ -69,7 +70,8 @@ def create_app(settings: Settings | None = None, *, embedder: Embedder | None = 
     app.state.tenants = tenants
     app.add_middleware(RequestEdge, max_body_bytes=settings.service.max_body_bytes,
                        max_upload_bytes=settings.service.max_upload_bytes, tenants=tenants)
-    observe(app, metrics)
+    record = observe(app, metrics)
+    app.add_middleware(Refusals, tenants=tenants, record=record)  # outside the request id and metrics layers
     if settings.service.cors_origins:
         from starlette.middleware.cors import CORSMiddleware
 

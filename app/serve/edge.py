@@ -1,6 +1,6 @@
 """The request edge, before any route runs: a request that carries a body is authenticated first and its body
-is read only up to a limit, so a keyless or oversized upload costs neither memory nor parsing; a question the
-service is too busy to admit is refused here (429 + Retry-After) before its body is read at all.
+is read only up to a limit, so a keyless or oversized upload costs neither memory nor parsing. (A question the
+service is too busy to admit was refused before this, by ``app.serve.refusals``.)
 
 Pure ASGI (no BaseHTTPMiddleware): the body is never buffered here, only counted as it streams through.
 """
@@ -12,14 +12,11 @@ from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from app.core.errors import UNAUTHORIZED, Overloaded
-from app.runtime.returns import CLIENT
-from app.serve.http_errors import error_response
+from app.core.errors import UNAUTHORIZED
 from app.serve.protocol import error_body
 from app.serve.tenants import Tenants
 
 BODYLESS = frozenset({"GET", "HEAD", "OPTIONS", "DELETE"})
-ADMITTED = frozenset({"/ask", "/v1/chat/completions", "/v1/completions"})  # the routes that take a place of admission
 UPLOADS = "/v1/documents"  # its bodies are files: their own limit
 
 
@@ -30,12 +27,6 @@ def unauthorized() -> JSONResponse:
 
 def too_large(limit: int, setting: str) -> HTTPException:
     return HTTPException(413, f"request body over the limit of {limit} bytes (PREFIXRAG_SERVICE__{setting.upper()})")
-
-
-def overloaded(scope: Scope) -> Overloaded | None:
-    """The refusal of a question arriving now, when admission would refuse it at once (``refuses_now``)."""
-    services = getattr(scope["app"].state, "services", None)  # absent until the lifespan has built them
-    return services.traffic.refuses_now() if services is not None else None
 
 
 class RequestEdge:
@@ -57,12 +48,6 @@ class RequestEdge:
         if declared.isdigit() and int(declared) > self.limits[setting]:
             await self._refuse(scope, receive, send, setting)
             return
-        if scope["path"] in ADMITTED:
-            client = scope.get("client")
-            CLIENT.set(f"{client[0]}:{client[1]}" if client else None)  # a refusal's promise is to this connection
-            if (refused := overloaded(scope)) is not None:
-                await error_response(refused)(scope, receive, send)
-                return
         await self.app(scope, self._counted(receive, setting), send)
 
     def _counted(self, receive: Receive, setting: str) -> Receive:

@@ -7,13 +7,18 @@ from __future__ import annotations
 import atexit
 import logging
 import queue
+from collections.abc import Callable
 from logging.handlers import QueueHandler, QueueListener
 
 from asgi_correlation_id import CorrelationIdFilter, CorrelationIdMiddleware
 from fastapi import FastAPI
 from prometheus_fastapi_instrumentator import Instrumentator
+from prometheus_fastapi_instrumentator import metrics as http_metrics
 from pythonjsonlogger.core import RESERVED_ATTRS
 from pythonjsonlogger.json import JsonFormatter
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.types import Scope
 
 from app.core.metrics import ServiceMetrics
 from app.serve.repeats import Repeats
@@ -24,13 +29,33 @@ LOG_FORMAT = "%(asctime)s %(levelname)s [%(correlation_id)s] %(name)s: %(message
 JSON_FIELDS = {"asctime": "time", "levelname": "level", "correlation_id": "request_id", "name": "logger"}
 
 
-def observe(app: FastAPI, metrics: ServiceMetrics) -> None:
+def observe(app: FastAPI, metrics: ServiceMetrics) -> HttpRecord:
     """HTTP metrics into the service's registry (``http_requests_total{handler,method,status}``,
     ``http_request_duration_seconds``), then the request id, outermost, so that even a request the edge refuses
-    (401, 413) gets one. A client's own id (any printable text up to 128 characters) is kept."""
-    Instrumentator(should_group_status_codes=False, registry=metrics.registry).instrument(app)
-    app.add_middleware(CorrelationIdMiddleware, header_name=REQUEST_ID_HEADER,
-                       validator=lambda value: 0 < len(value) <= 128 and value.isprintable())
+    (401, 413) gets one. A client's own id (any printable text up to 128 characters) is kept. Returned: how a
+    layer outside these (``app.serve.refusals``) counts a response it sends itself."""
+    recorded = http_metrics.default(registry=metrics.registry)
+    assert recorded is not None  # None only when the metrics exist already in this registry
+    Instrumentator(should_group_status_codes=False, registry=metrics.registry).add(recorded).instrument(app)
+    app.add_middleware(CorrelationIdMiddleware, header_name=REQUEST_ID_HEADER, validator=valid_request_id)
+    return HttpRecord(recorded)
+
+
+def valid_request_id(value: str) -> bool:
+    return 0 < len(value) <= 128 and value.isprintable()
+
+
+class HttpRecord:
+    """Counts a response in the HTTP metrics as the instrumentation layer would: by its route's path, method and
+    exact status, with its duration and sizes."""
+
+    def __init__(self, recorded: Callable[[http_metrics.Info], None]) -> None:
+        self.recorded = recorded
+
+    def __call__(self, scope: Scope, status: int, body_bytes: int, duration_s: float) -> None:
+        response = Response(status_code=status, headers={"content-length": str(body_bytes)})
+        self.recorded(http_metrics.Info(Request(scope), response, scope["method"], scope["path"], str(status),
+                                        duration_s))
 
 
 def configure_logging(level: int | str = logging.INFO, repeats_s: float | None = None, form: str = "text") -> Logs:
@@ -49,6 +74,7 @@ def configure_logging(level: int | str = logging.INFO, repeats_s: float | None =
     if repeats is not None:
         handler.addFilter(repeats)
     logging.basicConfig(level=level.upper() if isinstance(level, str) else level, handlers=[handler])
+    _skip_unused_record_fields()
     logging.getLogger("uvicorn.access").addFilter(QuietProbes())
     for noisy in ("httpx", "httpx2"):  # httpx2: the openai SDK's own copy of httpx
         logging.getLogger(noisy).setLevel(logging.WARNING)
@@ -56,6 +82,15 @@ def configure_logging(level: int | str = logging.INFO, repeats_s: float | None =
     listener.start()
     atexit.register(logs.close)
     return logs
+
+
+def _skip_unused_record_fields() -> None:
+    """Every record (an access line too, under a retry storm hundreds a second, each on the serving loop) would
+    look up its caller's frame, thread, process and task, which no line of ours prints: the logging HOWTO's
+    "Optimization" switches."""
+    logging._srcfile = None  # the documented switch for the caller's file and line
+    logging.logThreads = logging.logProcesses = logging.logMultiprocessing = False
+    setattr(logging, "logAsyncioTasks", False)  # noqa: B010  # Python 3.12+; harmless before
 
 
 def _formatter(form: str) -> logging.Formatter:

@@ -19,7 +19,7 @@ from app.serve.app import create_app
 from tests.support.corpora import app_settings
 from tests.support.fake_app import ask, serve
 from tests.support.fakes import FakeVLLM
-from tests.support.servers import AppServer, browser_page, static_site
+from tests.support.servers import AppServer, browser_page, http_requests, static_site
 
 
 def test_an_empty_hotness_dir_turns_persistence_off(monkeypatch):
@@ -90,11 +90,13 @@ class GatedVLLM(FakeVLLM):
 
 
 def test_a_question_beyond_capacity_is_refused_at_the_edge_before_its_body_is_read(notes, embedder):
+    """... by the outermost layer, which still gives the refusal a request id and counts it in the HTTP metrics."""
     chroma, _, _ = notes
     llm = GatedVLLM()
     settings = app_settings(chroma, "http://unused/v1", collection="notes", hotness_dir=None)
     settings.traffic.max_in_flight = 1
     broken = {"content": b'{"question": "What?", ', "headers": {"content-type": "application/json"}, "timeout": 30}
+    traced = {"content-type": "application/json", "X-Request-ID": "storm-7"}
     with AppServer(create_app(settings, embedder=embedder, llm=llm)) as server, ThreadPoolExecutor(1) as pool:
         server.wait_ready()
         traffic = server.app.state.services.traffic
@@ -102,7 +104,10 @@ def test_a_question_beyond_capacity_is_refused_at_the_edge_before_its_body_is_re
         deadline = time.monotonic() + 10
         while traffic.present == 0 and time.monotonic() < deadline:
             time.sleep(0.01)
-        refused = [httpx.post(server.url + "/ask", **broken), httpx.post(server.url + "/v1/chat/completions", **broken)]
+        before = http_requests(httpx.get(server.url + "/metrics", timeout=10).text)
+        refused = [httpx.post(server.url + "/ask", **broken),
+                   httpx.post(server.url + "/v1/chat/completions", **broken | {"headers": traced})]
+        counted = http_requests(httpx.get(server.url + "/metrics", timeout=10).text)
         llm.gate.set()
         answered = held.result(timeout=30)
         unparsed = httpx.post(server.url + "/ask", **broken)  # with room: the same body is read, and is bad JSON
@@ -110,6 +115,9 @@ def test_a_question_beyond_capacity_is_refused_at_the_edge_before_its_body_is_re
     assert all(int(r.headers["retry-after"]) >= 1 and r.json()["error"]["code"] == "overloaded" for r in refused)
     assert unparsed.status_code == 400 and unparsed.json()["error"]["code"] == "invalid_json"
     assert traffic.refused == 2
+    assert len(refused[0].headers["x-request-id"]) == 32 and refused[1].headers["x-request-id"] == "storm-7"
+    assert [counted.get(key, 0) - before.get(key, 0) for key in [("/ask", "POST", "429"),
+                                                                 ("/v1/chat/completions", "POST", "429")]] == [1, 1]
 
 
 def test_streams_are_server_sent_events_for_ask_and_for_the_openai_client(notes, embedder):
