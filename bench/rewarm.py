@@ -46,6 +46,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--limit-s", type=float, default=180.0, help="longest wait for the re-warm (default 180)")
     parser.add_argument("--max-tokens", type=int, default=16, help="answer length (default 16)")
     parser.add_argument("--out", type=Path, default=Path("bench/results/rewarm.json"))
+    parser.add_argument("--app-log", type=Path, help="keep each arm's app log here, as NAME-arm<N>.log (default: "
+                        "discarded)")
     return parser.parse_args(argv)
 
 
@@ -81,7 +83,8 @@ def run_arm(args: argparse.Namespace, vllm_url: str, beside: int, work: Path) ->
     ingest(docs, env)
     questions = headings(chroma)
     port = free_port()
-    app = app_child(work / "app.log", env, port).start()
+    log = args.app_log.with_name(f"{args.app_log.stem}-arm{beside}.log") if args.app_log else work / "app.log"
+    app = app_child(log, env, port).start()
     try:
         return asyncio.run(arm_phases(args, f"http://127.0.0.1:{port}", docs, env, questions)) | {
             "beside_users": beside}

@@ -9,4 +9,5 @@ cd "$(dirname "$0")/.."
 . scripts/gpu-extra.sh
 TAG=${TAG:-h200}
 . scripts/gpu-vllm.sh
-python3 -m bench.rewarm --data "$DATA/fastapi-docs-md/files" --vllm-url "$URL/v1" --out "$DEST/rewarm-$TAG.json" "$@"
+python3 -m bench.rewarm --data "$DATA/fastapi-docs-md/files" --vllm-url "$URL/v1" --out "$DEST/rewarm-$TAG.json" \
+  --app-log "$DEST/rewarm-$TAG-app.log" "$@"
