@@ -29,6 +29,7 @@ from app.core.store import (
     CollectionMissing,
     first_run_running,
     mark_changed,
+    new_generation,
     open_collection,
     write_lock,
 )
@@ -103,12 +104,14 @@ def run_ingest(roots: list[Path], settings: Settings, embedder: Any, *, prune: b
                 mark_changed(collection)
             raise
         writer.close()
-        # Stamped again when done (readers that reloaded mid-run reload), and a first run's end lets services answer.
-        if not dry_run and (report.writes or first_run_running(collection)):
-            mark_changed(collection, run_ended=True)
+        # Stamped again when done (readers that reloaded mid-run reload), and a first run's end lets services answer;
+        # the indexes are saved under that stamp first, so services reloading on it load them, none builds its own.
+        final = new_generation() if not dry_run and (report.writes or first_run_running(collection)) else None
         if collection is not None and not dry_run:  # rebuilt only when the collection's stamp moved
             with report.timed("indexes"):
-                derived.save_current(collection, settings.chroma, settings.pages)
+                derived.save_current(collection, settings.chroma, settings.pages, generation=final)
+        if final is not None:
+            mark_changed(collection, run_ended=True, generation=final)
     report.seconds = round(time.perf_counter() - started, 3)
     return report
 

@@ -21,10 +21,13 @@ class RowsBuilder(Protocol):
     def add(self, rows: dict[str, Any]) -> None: ...
 
 
-def save_current(collection: Collection, cfg: ChromaSettings, paging: PageSettings) -> None:
+def save_current(collection: Collection, cfg: ChromaSettings, paging: PageSettings,
+                 generation: str | None = None) -> None:
     """Save the BM25 index, the pages and the inventory for the collection as it is now, rebuilding only what is
-    stale (the caller holds the write lock: ingest at the end of a run, the documents API after a delete)."""
-    stamp = stamp_of(collection)
+    stale (the caller holds the write lock: ingest at the end of a run, the documents API after a delete).
+    ``generation``: save them under the stamp the writer is about to publish (``mark_changed``), so that a
+    service reloading on it finds them saved instead of building its own from every row."""
+    stamp = (generation, collection.count()) if generation else stamp_of(collection)
     folder, path, listed = lexical.index_dir(cfg), pages.path_of(cfg), inventory.path_of(cfg)
     saved_lexical, saved_pages = lexical.load(folder), pages.load(path)
     terms = lexical.LexicalRows() if saved_lexical is None or saved_lexical.stamp != stamp else None

@@ -110,11 +110,17 @@ def stamp_of(collection: Collection) -> tuple[str, int]:
     return (collection.metadata or {}).get(GENERATION_KEY, ""), collection.count()
 
 
-def mark_changed(collection: Collection, run_ended: bool = False) -> None:
+def new_generation() -> str:
+    return uuid.uuid4().hex
+
+
+def mark_changed(collection: Collection, run_ended: bool = False, generation: str | None = None) -> None:
     """Renew the collection's generation stamp (under the write lock): services drop what they cached of it.
-    ``run_ended``: an ingest run finished, the collection's first included."""
+    ``run_ended``: an ingest run finished, the collection's first included; ``generation``: the new stamp, where
+    the writer has already saved the derived indexes under it (else a new one)."""
     ended = {FIRST_RUN_KEY: "done"} if run_ended else {}
-    collection.modify(metadata={**(collection.metadata or {}), GENERATION_KEY: uuid.uuid4().hex, **ended})
+    collection.modify(metadata={**(collection.metadata or {}), GENERATION_KEY: generation or new_generation(),
+                                **ended})
 
 
 def first_run_running(collection: Collection) -> bool:

@@ -75,6 +75,34 @@ def test_a_rerun_takes_what_is_stored_from_the_last_runs_record_and_never_a_stal
     assert inventory.stored_documents(collection_of(settings, embedder), settings.chroma) == from_rows
 
 
+def test_a_runs_indexes_are_saved_under_its_final_stamp_before_services_can_see_that_stamp(
+        tmp_path, settings_factory, embedder, monkeypatch):
+    """A service reloads when the stamp moves; at that moment BM25, the pages and the inventory beside the
+    collection already match it, so no service (nor each of its ranking workers) builds its own from every row."""
+    from app.core import inventory, lexical, pages
+    from ingest import pipeline
+
+    corpus = write_corpus(tmp_path / "corpus")
+    settings = settings_factory()
+    run_ingest([corpus], settings, embedder)
+    (corpus / "notes.txt").write_text("The harbour pilot boards ships at the outer buoy, day and night.\n")
+    seen_at_stamp = []
+    real = pipeline.mark_changed
+
+    def stamped(collection, run_ended=False, generation=None):
+        real(collection, run_ended=run_ended, **({"generation": generation} if generation else {}))
+        if run_ended:
+            stamp = (collection.metadata["prefixrag_generation"], collection.count())
+            seen_at_stamp.append((stamp, lexical.load(lexical.index_dir(settings.chroma)).stamp,
+                                  pages.load(pages.path_of(settings.chroma)).stamp[:2],
+                                  inventory.recorded_stamp(inventory.path_of(settings.chroma))))
+
+    monkeypatch.setattr(pipeline, "mark_changed", stamped)
+    assert run_ingest([corpus], settings, embedder).writes > 0
+    [(stamp, *saved)] = seen_at_stamp
+    assert saved == [stamp, stamp, stamp]
+
+
 def test_modified_file_replaces_its_chunks_and_reuses_unchanged_embeddings(tmp_path, settings_factory, embedder):
     corpus = write_corpus(tmp_path / "corpus")
     settings = settings_factory()
