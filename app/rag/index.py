@@ -84,6 +84,11 @@ class CollectionIndex:
         if not self.chroma.url:
             forget_clients()
         self._collection, self._sources, self._derived = None, (0.0, []), {}
+        self.forget_rows()
+
+    def forget_rows(self) -> None:
+        """Drop the chunk rows read so far: from now on every row is read from the store (a chunk deleted since
+        is never returned from memory), the handles and indexes kept."""
         with self._rows_lock:
             self._rows.clear()
             self._opened += 1

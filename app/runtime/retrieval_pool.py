@@ -9,10 +9,11 @@ Each worker is reached over a socket the event loop reads and writes itself (``a
 no thread of the serving process stands between a question and its ranking, so a busy loop never makes a
 ranking wait for a thread to get the GIL. A free worker takes its share of the questions waiting (all of them
 when it is the only one free, up to ``BATCH``) and encodes them in one pass: a burst is spread over the free
-workers first, since a batch's first question waits for its last one's encoding. After an ingest, a worker
-reopens the collection at its next question (the epoch it is sent says so) and answers dense-only, not to be
-remembered, until its BM25 index is loaded again, as the serving process itself would. A worker that dies is
-started again and primed before it takes a question; its questions in flight fail with a 503."""
+workers first, since a batch's first question waits for its last one's encoding. After an ingest (the epoch a
+question carries says so), a worker drops the chunk rows it read and opens the changed collection and its indexes
+on a thread of its own, answering from what it had open until they are loaded: a reload never makes a question
+wait for Chroma's reopening or BM25's loading (a chunk deleted meanwhile is left out: its row is read afresh). A
+worker that dies is started again and primed before it takes a question; its questions in flight fail with a 503."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import logging
 import os
 import signal
 import socket
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -30,6 +32,7 @@ from prometheus_client import Histogram
 
 from app.core.errors import ServiceError, StoreUnavailable
 from app.core.settings import ChromaSettings, EmbeddingSettings, PageSettings, RetrievalSettings
+from app.core.store import forget_clients
 from app.rag.retriever import Ranking, Retriever
 from app.runtime.pauses import freeze_start_up
 from app.runtime.worker_channel import Channel, ChannelClosed, Message, serve_channel
@@ -186,6 +189,9 @@ async def _prime_logged(channel: Channel, epoch: int) -> None:
         log.warning("a new retrieval worker could not load its indexes: %s", exc)
 
 
+RELOAD_RETRY_S = 1.0  # after a worker's reload failed (e.g. Chroma mid-write), its next try at the earliest
+
+
 class _Worker:
     """A worker process's retrieval: the serving process's own ``Retriever``, over a collection of its own."""
 
@@ -199,18 +205,49 @@ class _Worker:
         self.index = CollectionIndex(self.embedder, config.chroma, ThreadPoolExecutor(1), config.retrieval,
                                      config.paging)
         self.retriever = Retriever(self.index, self.embedder, config.retrieval)
-        self.epoch = 0
+        self.config, self.epoch = config, 0
 
     def answer(self, message: Message) -> object:
         kind, epoch, questions = message
-        if epoch != self.epoch:
-            self.index.reopen()
-            self.epoch = epoch
         if kind == "prime":
+            if epoch != self.epoch:
+                self.index.reopen()
+                self.epoch = epoch
             primed = _outcome(self.prime)
             freeze_start_up()  # what loading left alive, out of the cyclic GC's scans between questions
             return primed
+        if epoch != self.epoch:
+            self.epoch = epoch
+            self.index.forget_rows()
+            threading.Thread(target=self._reload, args=(epoch,), name="reload", daemon=True).start()
         return self.rank(questions)
+
+    def _reload(self, epoch: int) -> None:
+        """The changed collection opened, queried once and its BM25 loaded, then swapped in, unless a newer
+        change came meanwhile (its own reload swaps then)."""
+        from app.rag.index import CollectionIndex
+
+        config = self.config
+        if not config.chroma.url:
+            forget_clients()  # the next open reloads from disk; handles already open keep working
+        index = CollectionIndex(self.embedder, config.chroma, ThreadPoolExecutor(1), config.retrieval, config.paging)
+        retriever = Retriever(index, self.embedder, config.retrieval)
+        try:
+            retriever.rank_sync("prime the index", 1)
+            if index.retrieval.mode != "dense":
+                index.lexical_index(wait=True)
+        except Exception as exc:  # the old state answers meanwhile; a question a second from now tries again
+            log.warning("a retrieval worker could not reload the collection: %s", exc)
+            index.close()
+            time.sleep(RELOAD_RETRY_S)
+            if epoch == self.epoch:
+                self.epoch = -1  # no epoch the pool sends: its next question starts another reload
+            return
+        if epoch != self.epoch:
+            index.close()
+            return
+        old, self.index, self.retriever = self.index, index, retriever
+        old.close()  # its background thread; a ranking still on it finishes (its handle stays open)
 
     def prime(self) -> None:
         """Rank once and load BM25: the first question pays for neither."""

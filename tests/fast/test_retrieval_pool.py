@@ -106,3 +106,46 @@ def test_auto_workers_follow_the_cores_and_fewer_hold_the_encoder_on_a_gpu(monke
         monkeypatch.setattr(os, "sched_getaffinity", lambda _pid, n=cores: set(range(n)))
         assert (auto.worker_processes(False), auto.worker_processes(True)) == (on_cpu, on_gpu), cores
     assert RetrievalSettings(workers=3).worker_processes(True) == 3
+
+
+def test_after_an_ingest_a_worker_answers_at_once_never_with_a_replaced_chunk_and_then_from_the_new_one(
+        tmp_path, embedder):
+    """The changed collection is opened beside what the worker had open: a question meanwhile neither waits for it
+    nor loses BM25 (it used to be ranked dense-only while the index loaded again); the chunk rows read before are
+    dropped at once, so a chunk the ingest replaced is never returned, and the new one is once the reload is in."""
+    from ingest.pipeline import run_ingest
+    from tests.support.corpora import FACTS
+
+    docs = tmp_path / "facts"
+    docs.mkdir()
+    for name, text in FACTS.items():
+        (docs / name).write_text(text + "\n")
+    settings = app_settings(tmp_path / "chroma", "http://unused/v1", collection="facts")
+    run_ingest([docs], settings, embedder)
+    question, edited = "Why do tides rise and fall?", "Tides rise and fall twice a day: the moon's pull, and the sun's."
+
+    async def scenario() -> tuple[str, list[tuple[list[str], str, bool]]]:
+        pool = RetrievalPool(WorkerConfig(settings.chroma, settings.embedding, settings.retrieval,
+                                          settings.pages), workers=1)
+        try:
+            await pool.prime()
+            old = (await pool.rank(question, 4)).chunks[0]
+            assert old.text.startswith(FACTS["tides.md"])
+            (docs / "tides.md").write_text(edited + "\n")
+            await asyncio.to_thread(run_ingest, [docs], settings, embedder)
+            await pool.collection_changed(True)
+            seen: list[tuple[list[str], str, bool]] = []
+            for _ in range(300):
+                ranking = await pool.rank(question, 4)
+                seen.append((ids(ranking), ranking.chunks[0].text if ranking.chunks else "", ranking.complete))
+                if seen[-1][1].startswith(edited):
+                    break
+                await asyncio.sleep(0.05)
+            return old.id, seen
+        finally:
+            await pool.aclose()
+
+    old_id, seen = asyncio.run(scenario())
+    assert all(old_id not in ranked for ranked, _, _ in seen), seen  # never the replaced chunk, before or after
+    assert all(complete for _, _, complete in seen), seen  # dense and BM25 throughout
+    assert seen[-1][1].startswith(edited), seen  # the changed collection, once loaded
