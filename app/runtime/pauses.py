@@ -39,6 +39,19 @@ def freeze_start_up() -> None:
              (time.perf_counter() - started) * 1000)
 
 
+@functools.cache  # once per kind: a load repeated (vLLM back with another model) is not frozen again
+def freeze_late_load(what: str) -> None:
+    """Freeze what a load after start-up left alive: the served model's tokenizer is loaded when vLLM is first
+    seen, and with it transformers' modules (in a serving process whose encoder lives in ranking workers, their
+    first import), all scanned by every full collection from then on. The young generations are collected first;
+    what garbage older ones hold is frozen with it, once."""
+    started, before = time.perf_counter(), gc.get_freeze_count()
+    gc.collect(1)
+    gc.freeze()
+    log.info("%s: %d more objects frozen out of the cyclic GC (%.0f ms)", what, gc.get_freeze_count() - before,
+             (time.perf_counter() - started) * 1000)
+
+
 class GCPauses:
     """``prefixrag_gc_pause_seconds{generation}``: how long each collection stopped the process."""
 

@@ -24,6 +24,7 @@ from app.rag.seams import Embedder, Ranker
 from app.runtime.capacity import EngineQueue
 from app.runtime.collection import CollectionWatcher
 from app.runtime.documents import Documents
+from app.runtime.pauses import freeze_late_load
 from app.runtime.retrieval_pool import RetrievalPool, WorkerConfig
 from app.runtime.service import Service
 from app.runtime.traffic import AutoLimit, LiveTraffic
@@ -131,7 +132,7 @@ async def build_services(settings: Settings, *, embedder: Embedder | None = None
                             ranks=not workers)
     upstream = Upstream(llm, settings.vllm)
     upstream.subscribe(lambda info: llm.use_model(info.model))
-    prompt_ids = PromptIds(settings.vllm, llm)
+    prompt_ids = PromptIds(settings.vllm, llm, loaded=lambda: freeze_late_load("the served model's tokenizer"))
     upstream.subscribe(prompt_ids.adopt)
     retriever = Retriever(index, encoder, settings.retrieval, encoders=max(1, threads // 2))
     ranker: Ranker = retriever

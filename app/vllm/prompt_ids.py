@@ -21,6 +21,7 @@ import hashlib
 import logging
 from array import array
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -35,8 +36,9 @@ LEARNING = 2  # heads checked against vLLM at a time (background work; more wait
 
 
 class PromptIds:
-    def __init__(self, settings: VLLMSettings, llm: Any) -> None:
+    def __init__(self, settings: VLLMSettings, llm: Any, loaded: Callable[[], None] = lambda: None) -> None:
         self.settings, self.llm = settings, llm
+        self._loaded = loaded  # called once the tokenizer is loaded (the composition root freezes what it left)
         self.tokenizer: Any = None  # the served model's (transformers), loaded once vLLM is known
         self.heads: OrderedDict[bytes, tuple[array[int], int]] = OrderedDict()  # head -> (its ids, where tails start)
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prompt-ids")
@@ -191,6 +193,7 @@ class PromptIds:
             log.warning("token-id prompts off: %s could not be loaded (%s)", path, exc)
             return
         log.info("token-id prompts on: tokenizer from %s", path)
+        self._loaded()
 
 
 def _remember(table: OrderedDict[bytes, Any], key: bytes, value: Any) -> None:

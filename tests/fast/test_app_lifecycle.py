@@ -157,6 +157,42 @@ print(json.dumps([before, gc.get_freeze_count()]))
     assert after >= before + 200_000
 
 
+def test_what_loading_the_served_tokenizer_leaves_is_frozen_too(tmp_path):
+    """Where ranking workers hold the encoder, the serving process first imports transformers when vLLM is seen
+    and its tokenizer loads, after start-up's freeze: ~230K objects every full collection then scanned again (a
+    ~270 ms pause, three a minute on the H200's host under a retry storm; bench/results/gc-pause-workers*.json).
+    The composition root freezes them once the load ends."""
+    script = """
+import asyncio, gc, json, sys
+from pathlib import Path
+from types import SimpleNamespace
+from app.core.settings import Settings
+from app.runtime.pauses import freeze_start_up
+from app.runtime.services import build_services
+from app.vllm.testmodel import write_test_model
+
+async def main():
+    settings = Settings(_env_file=None)
+    settings.chroma.path, settings.context.hotness_dir = Path(sys.argv[1]) / "chroma", None
+    settings.retrieval.workers = 2  # the encoder in workers (none started here), not in this process
+    model = write_test_model(Path(sys.argv[1]) / "model")
+    services = await build_services(settings)
+    freeze_start_up()
+    before, imported = gc.get_freeze_count(), "transformers" in sys.modules
+    services.clients.prompt_ids.adopt(SimpleNamespace(root=str(model)))  # as vLLM is first seen
+    await services.clients.prompt_ids.learn([], "")  # returns once the load has ended
+    print(json.dumps([imported, services.clients.prompt_ids.active, before, gc.get_freeze_count()]))
+    await services.aclose()
+
+asyncio.run(main())
+"""
+    done = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, cwd=ROOT,
+                          check=True)
+    imported, active, before, after = json.loads(done.stdout.strip().splitlines()[-1])
+    assert not imported and active
+    assert after >= before + 100_000
+
+
 def test_after_an_ingest_pre_warm_sends_only_the_units_that_changed(tmp_path, embedder):
     """Pre-warm starts again after an ingest; a unit it warmed before, unchanged and with vLLM still up, is
     counted warm without being sent again: only the edited document's unit goes to vLLM."""
