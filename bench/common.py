@@ -8,6 +8,8 @@ import os
 import platform
 import subprocess
 import sys
+import tempfile
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -91,3 +93,15 @@ def write_json(path: Path, payload: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(payload, indent=2) + "\n")
     print(f"wrote {path}")
+
+
+def on_vllm(args: argparse.Namespace, prefix: str, run: Callable[[argparse.Namespace, str, Path], dict]) -> dict:
+    """``run(args, vllm_url, tmp)``: against ``--vllm-url``, else against the CPU test model started for it (8192
+    window), ``tmp`` a folder of its own removed after."""
+    with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
+        if args.vllm_url:
+            return run(args, args.vllm_url, Path(tmp))
+        from app.vllm.process import LocalVLLM
+
+        with LocalVLLM(Path(tmp) / "vllm.log", max_model_len=8192) as url:
+            return run(args, url, Path(tmp))

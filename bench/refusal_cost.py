@@ -15,13 +15,12 @@ import argparse
 import asyncio
 import json
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import httpx
 
-from bench.common import add_app_stack_args, command_line, environment, write_json
+from bench.common import add_app_stack_args, command_line, environment, on_vllm, write_json
 from bench.datasets import load_dataset
 from bench.load_report import loop_cpu_seconds
 
@@ -133,15 +132,8 @@ def run(args: argparse.Namespace, vllm_url: str, tmp: Path) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    with tempfile.TemporaryDirectory(prefix="bench-refusal-") as tmp:
-        if args.vllm_url:
-            result = run(args, args.vllm_url, Path(tmp))
-        else:
-            from app.vllm.process import LocalVLLM
-
-            with LocalVLLM(Path(tmp) / "vllm.log", max_model_len=8192) as url:
-                result = run(args, url, Path(tmp))
-    result |= {"command": command_line("bench.refusal_cost", argv), "environment": environment()}
+    result = on_vllm(args, "bench-refusal-", run) | {"command": command_line("bench.refusal_cost", argv),
+                                                  "environment": environment()}
     write_json(args.out, result)
     print(f"event-loop CPU per refusal: {result['loop_us_per_refusal_median']} us (median of {args.runs})")
     return 0

@@ -23,14 +23,13 @@ import argparse
 import asyncio
 import json
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 
-from bench.common import add_app_stack_args, command_line, environment, write_json
+from bench.common import add_app_stack_args, command_line, environment, on_vllm, write_json
 from bench.datasets import load_dataset, sample
 from bench.live_load import HEALTH_PROBE, app_pauses, renice
 from bench.load_report import loop_cpu_seconds
@@ -182,15 +181,8 @@ def run(args: argparse.Namespace, vllm_url: str, tmp: Path) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    with tempfile.TemporaryDirectory(prefix="bench-storm-") as tmp:
-        if args.vllm_url:
-            result = run(args, args.vllm_url, Path(tmp))
-        else:
-            from app.vllm.process import LocalVLLM
-
-            with LocalVLLM(Path(tmp) / "vllm.log", max_model_len=8192) as url:
-                result = run(args, url, Path(tmp))
-    result |= {"command": command_line("bench.retry_storm", argv), "environment": environment()}
+    result = on_vllm(args, "bench-storm-", run) | {"command": command_line("bench.retry_storm", argv),
+                                                  "environment": environment()}
     write_json(args.out, result)
     s, o = result["storm"], result["obeying"]
     p = result["probe"]["refused_ms"]
