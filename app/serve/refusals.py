@@ -1,7 +1,7 @@
 """Refusals first: a question the service is too busy to admit gets its 429 + Retry-After from the outermost layer,
 before the request id, HTTP metrics, authentication's body checks, routing and the body itself. Under a retry storm
 the serving loop answers hundreds of refusals a second, and a health probe or an admitted answer waits behind every
-one of them; here a refusal costs a fraction of the whole stack's work (``bench.retry_storm``).
+one of them; here a refusal costs a fraction of the whole stack's work (``bench.refusal_cost``).
 
 What the skipped layers give a response is kept: the request id (the client's own, else a new one) on the response
 and its access line, the count and duration in ``http_requests_total`` / ``http_request_duration_seconds``, the
