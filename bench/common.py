@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
 import json
 import os
 import platform
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 
 def command_line(module: str, argv: list[str] | None) -> str:
@@ -105,3 +108,28 @@ def on_vllm(args: argparse.Namespace, prefix: str, run: Callable[[argparse.Names
 
         with LocalVLLM(Path(tmp) / "vllm.log", max_model_len=8192) as url:
             return run(args, url, Path(tmp))
+
+
+@contextlib.contextmanager
+def warm_app(args: argparse.Namespace, vllm_url: str, env: dict[str, str], log: Path) -> Iterator[tuple[Any, str, Any]]:
+    """The app as users run it (``python -m app``) over ``--data``'s passages (ingested into ``--chroma`` first),
+    ``env`` added to where its store and vLLM are: (the dataset, its URL, its process), once ready and pre-warmed;
+    stopped after. ``env`` is completed in place (the result files record it)."""
+    from app.vllm.process import app_child, free_port
+    from bench.datasets import load_dataset
+    from bench.throughput import ingest, warmed
+
+    dataset = load_dataset(args.data)
+    ingest(args, dataset)
+    port = free_port()
+    store = {"PREFIXRAG_VLLM_URL": vllm_url, "PREFIXRAG_CHROMA_PATH": str(args.chroma),
+             "PREFIXRAG_COLLECTION": dataset.collection}
+    env.update(store | env)  # the caller's settings win
+    app = app_child(log, env, port).start()
+    try:
+        url = f"http://127.0.0.1:{port}"
+        app.wait_for(url + "/readyz", 900)
+        asyncio.run(warmed(url))
+        yield dataset, url, app
+    finally:
+        app.stop()

@@ -17,11 +17,11 @@ import json
 import sys
 import time
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import httpx
 
-from bench.common import add_app_stack_args, command_line, environment, on_vllm, write_json
-from bench.datasets import load_dataset
+from bench.common import add_app_stack_args, command_line, environment, on_vllm, warm_app, write_json
 from bench.load_report import loop_cpu_seconds
 
 # Raw HTTP/1.1, closed loops on kept-open connections: argv = port, connections, seconds; prints statuses seen.
@@ -84,7 +84,7 @@ async def hold_the_place(url: str) -> asyncio.Task:
     return task
 
 
-async def measure(url: str, port: int, app_pid: int, args: argparse.Namespace) -> list[dict]:
+async def measure(url: str, app_pid: int, args: argparse.Namespace) -> list[dict]:
     holder = await hold_the_place(url)
     quiet = loop_cpu_seconds(app_pid)
     await asyncio.sleep(2.0)
@@ -92,7 +92,7 @@ async def measure(url: str, port: int, app_pid: int, args: argparse.Namespace) -
     runs = []
     for _ in range(args.runs):
         before, started = loop_cpu_seconds(app_pid), time.monotonic()
-        clients = await asyncio.create_subprocess_exec(sys.executable, "-c", CLIENTS, str(port),
+        clients = await asyncio.create_subprocess_exec(sys.executable, "-c", CLIENTS, str(urlsplit(url).port),
                                                        str(args.connections), str(args.duration_s),
                                                        stdout=asyncio.subprocess.PIPE)
         statuses = json.loads((await clients.communicate())[0])
@@ -108,23 +108,9 @@ async def measure(url: str, port: int, app_pid: int, args: argparse.Namespace) -
 
 
 def run(args: argparse.Namespace, vllm_url: str, tmp: Path) -> dict:
-    from app.vllm.process import app_child, free_port
-    from bench.throughput import ingest, warmed
-
-    dataset = load_dataset(args.data)
-    ingest(args, dataset)
-    port = free_port()
-    env = {"PREFIXRAG_VLLM_URL": vllm_url, "PREFIXRAG_CHROMA_PATH": str(args.chroma),
-           "PREFIXRAG_COLLECTION": dataset.collection, "PREFIXRAG_CONTEXT__HOTNESS_DIR": "",
-           "PREFIXRAG_TRAFFIC__MAX_IN_FLIGHT": "1"}
-    app = app_child(tmp / "app.log", env, port).start()
-    try:
-        url = f"http://127.0.0.1:{port}"
-        app.wait_for(url + "/readyz", 900)
-        asyncio.run(warmed(url))  # pre-warm's requests done: the one place is the holder's
-        runs = asyncio.run(measure(url, port, app.pid, args))
-    finally:
-        app.stop()
+    env = {"PREFIXRAG_CONTEXT__HOTNESS_DIR": "", "PREFIXRAG_TRAFFIC__MAX_IN_FLIGHT": "1"}
+    with warm_app(args, vllm_url, env, tmp / "app.log") as (dataset, url, app):  # pre-warm done: the place is free
+        runs = asyncio.run(measure(url, app.pid, args))
     costs = sorted(r["loop_us_per_refusal"] for r in runs if r["loop_us_per_refusal"] is not None)
     return {"dataset": dataset.name, "config": {k: str(v) for k, v in vars(args).items()}, "app_env": env,
             "runs": runs, "loop_us_per_refusal_median": costs[len(costs) // 2] if costs else None}

@@ -29,8 +29,8 @@ from pathlib import Path
 
 import httpx
 
-from bench.common import add_app_stack_args, command_line, environment, on_vllm, write_json
-from bench.datasets import load_dataset, sample
+from bench.common import add_app_stack_args, command_line, environment, on_vllm, warm_app, write_json
+from bench.datasets import sample
 from bench.live_load import HEALTH_PROBE, app_pauses, renice
 from bench.load_report import loop_cpu_seconds
 from bench.stats import percentile
@@ -157,25 +157,11 @@ async def storm(url: str, questions: list[str], args: argparse.Namespace, app_pi
 
 
 def run(args: argparse.Namespace, vllm_url: str, tmp: Path) -> dict:
-    from app.vllm.process import app_child, free_port
-    from bench.throughput import ingest, warmed
-
-    dataset = load_dataset(args.data)
-    ingest(args, dataset)
-    port = free_port()
-    env = {"PREFIXRAG_VLLM_URL": vllm_url, "PREFIXRAG_CHROMA_PATH": str(args.chroma),
-           "PREFIXRAG_COLLECTION": dataset.collection, "PREFIXRAG_CONTEXT__HOTNESS_DIR": str(tmp / "hotness")
-           } | dict(pair.split("=", 1) for pair in args.app_env)
-    app = app_child(args.app_log or tmp / "app.log", env, port).start()
-    renice(5)  # the clients at vLLM's nice, as in bench.live_traffic: remote clients would not take the app's cores
-    try:
-        url = f"http://127.0.0.1:{port}"
-        app.wait_for(url + "/readyz", 900)
-        asyncio.run(warmed(url))
+    env = {"PREFIXRAG_CONTEXT__HOTNESS_DIR": str(tmp / "hotness")} | dict(pair.split("=", 1) for pair in args.app_env)
+    with warm_app(args, vllm_url, env, args.app_log or tmp / "app.log") as (dataset, url, app):
+        renice(5)  # the clients at vLLM's nice, as in bench.live_traffic: remote clients would not take its cores
         questions = [q.text for q in sample(dataset.questions, 2000, 0)]
         result = asyncio.run(storm(url, questions, args, app.pid))
-    finally:
-        app.stop()
     return {"dataset": dataset.name, "config": {k: str(v) for k, v in vars(args).items()}, "app_env": env} | result
 
 
