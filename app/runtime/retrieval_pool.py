@@ -26,7 +26,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import Histogram
 
@@ -36,6 +36,9 @@ from app.core.store import forget_clients
 from app.rag.retriever import Ranking, Retriever
 from app.runtime.pauses import freeze_start_up
 from app.runtime.worker_channel import Channel, ChannelClosed, Message, serve_channel
+
+if TYPE_CHECKING:
+    from app.rag.index import CollectionIndex
 
 log = logging.getLogger("prefixrag.retrieval")
 DIED = "a retrieval worker died; it is being restarted, retry shortly"
@@ -197,15 +200,20 @@ class _Worker:
 
     def __init__(self, config: WorkerConfig) -> None:
         from app.core.embedder import Embedder, limit_threads
-        from app.rag.index import CollectionIndex
 
         limit_threads(config.embedding.query_threads)
         self.embedder = Embedder(config.embedding, questions=True).load()
-        # The index runs nothing on this pool (ranking is synchronous here); its own thread loads BM25.
-        self.index = CollectionIndex(self.embedder, config.chroma, ThreadPoolExecutor(1), config.retrieval,
-                                     config.paging)
-        self.retriever = Retriever(self.index, self.embedder, config.retrieval)
         self.config, self.epoch = config, 0
+        self.index, self.retriever = self._opened()
+
+    def _opened(self) -> tuple[CollectionIndex, Retriever]:
+        """A collection handle of its own, and the retriever over it."""
+        from app.rag.index import CollectionIndex
+
+        config = self.config
+        # The index runs nothing on this pool (ranking is synchronous here); its own thread loads BM25.
+        index = CollectionIndex(self.embedder, config.chroma, ThreadPoolExecutor(1), config.retrieval, config.paging)
+        return index, Retriever(index, self.embedder, config.retrieval)
 
     def answer(self, message: Message) -> object:
         kind, epoch, questions = message
@@ -225,17 +233,11 @@ class _Worker:
     def _reload(self, epoch: int) -> None:
         """The changed collection opened, queried once and its BM25 loaded, then swapped in, unless a newer
         change came meanwhile (its own reload swaps then)."""
-        from app.rag.index import CollectionIndex
-
-        config = self.config
-        if not config.chroma.url:
+        if not self.config.chroma.url:
             forget_clients()  # the next open reloads from disk; handles already open keep working
-        index = CollectionIndex(self.embedder, config.chroma, ThreadPoolExecutor(1), config.retrieval, config.paging)
-        retriever = Retriever(index, self.embedder, config.retrieval)
+        index, retriever = self._opened()
         try:
-            retriever.rank_sync("prime the index", 1)
-            if index.retrieval.mode != "dense":
-                index.lexical_index(wait=True)
+            _primed(retriever)
         except Exception as exc:  # the old state answers meanwhile; a question a second from now tries again
             log.warning("a retrieval worker could not reload the collection: %s", exc)
             index.close()
@@ -250,10 +252,7 @@ class _Worker:
         old.close()  # its background thread; a ranking still on it finishes (its handle stays open)
 
     def prime(self) -> None:
-        """Rank once and load BM25: the first question pays for neither."""
-        self.retriever.rank_sync("prime the index", 1)
-        if self.index.retrieval.mode != "dense":
-            self.index.lexical_index(wait=True)
+        _primed(self.retriever)
 
     def rank(self, questions: list[tuple[str, int, str | None]]) -> Ranked:
         """Every question's ranking (or its error), the questions encoded in one pass."""
@@ -270,6 +269,13 @@ class _Worker:
             together = [_outcome(lambda q=q, k=k, p=p, v=v: self.retriever.rank_sync(q, k, p, vector=v))
                         for (q, k, p), v in zip(questions, vectors, strict=True)]  # one by one
         return Ranked(together, encoded - started, time.perf_counter() - encoded)
+
+
+def _primed(retriever: Retriever) -> None:
+    """Rank once and load BM25: the first question pays for neither."""
+    retriever.rank_sync("prime the index", 1)
+    if retriever.index.retrieval.mode != "dense":
+        retriever.index.lexical_index(wait=True)
 
 
 def _outcome(work: object) -> object:
