@@ -21,7 +21,7 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
-from app.core import derived
+from app.core import derived, withdrawals
 from app.core.inventory import StoredDocument, stored_documents
 from app.core.records import pipeline_identity, sha256
 from app.core.settings import Settings
@@ -69,7 +69,7 @@ def run_ingest(roots: list[Path], settings: Settings, embedder: Any, *, prune: b
     with write_lock(settings.chroma, settings.ingest.lock_timeout_s):
         collection = _open_for(settings, embedder, dry_run)
         with report.timed("scan"):
-            stored = stored_documents(collection, settings.chroma) if collection is not None else {}
+            stored = _stored(collection, settings, report, dry_run)
         by_source: dict[str, list[StoredDocument]] = {}
         ids_by_source: dict[str, list[str]] = {}
         for doc_id, entry in stored.items():
@@ -140,6 +140,19 @@ def _write_and_prune(files: Any, submit: Any, depth: int, stored: dict[str, Stor
     writer.delete_documents({doc: stored[doc].ids for doc in stale})
     report.documents_removed = len(stale)
     report.files_removed = len({stored[doc].source for doc in stale} - loaded_sources)
+
+
+def _stored(collection: Any, settings: Settings, report: IngestReport, dry_run: bool) -> dict[str, StoredDocument]:
+    """What the collection holds, once the documents the service withdrew (deleted over HTTP, rows not yet
+    deleted) are gone: their rows deleted now, first (a dry run only leaves them out)."""
+    if collection is None:
+        return {}
+    if dry_run:
+        withdrawn = withdrawals.pending(settings.chroma)
+        return {doc: entry for doc, entry in stored_documents(collection, settings.chroma).items()
+                if doc not in withdrawn}
+    report.chunks_deleted += withdrawals.finish(collection, settings.chroma)
+    return stored_documents(collection, settings.chroma)
 
 
 def _open_for(settings: Settings, embedder: Any, dry_run: bool) -> Any:

@@ -15,7 +15,7 @@ from collections.abc import Awaitable, Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from app.core import inventory, lexical, pages
+from app.core import inventory, lexical, pages, withdrawals
 from app.core.errors import StoreUnavailable
 from app.core.records import ChunkRecord
 from app.core.settings import ChromaSettings, PageSettings, RetrievalSettings
@@ -48,6 +48,9 @@ class CollectionIndex:
         self._derived: dict[str, Future[Any]] = {}
         self._rows: OrderedDict[str, tuple[str, dict[str, Any]]] = OrderedDict()  # ``read``'s, as of ``_opened``
         self._rows_lock, self._opened = threading.Lock(), 0  # reads run on several threads; reopen bumps _opened
+        # Chunks of documents deleted over HTTP whose rows are still stored (``app.core.withdrawals``): never
+        # returned by ``visible`` or ``chunks_where``.
+        self.withdrawn: frozenset[str] = frozenset()
 
     def close(self) -> None:
         self.background_executor.shutdown(wait=False, cancel_futures=True)
@@ -84,7 +87,7 @@ class CollectionIndex:
         if not self.chroma.url:
             forget_clients()
         self._collection, self._sources, self._derived = None, (0.0, []), {}
-        self.forget_rows()
+        self.withdraw(withdrawals.withdrawn_ids(self.chroma))  # as recorded now (finished ones are cleared)
 
     def forget_rows(self) -> None:
         """Drop the chunk rows read so far: from now on every row is read from the store (a chunk deleted since
@@ -92,6 +95,16 @@ class CollectionIndex:
         with self._rows_lock:
             self._rows.clear()
             self._opened += 1
+
+    def withdraw(self, ids: frozenset[str]) -> None:
+        """From now on these chunks are never returned, whatever the store still holds; replaces the last set."""
+        self.withdrawn = ids
+        self.forget_rows()
+
+    def visible(self, chunks: list[ContextChunk]) -> list[ContextChunk]:
+        """``chunks`` less the withdrawn ones (a ranking made by another process, or before the withdrawal)."""
+        withdrawn = self.withdrawn
+        return [chunk for chunk in chunks if chunk.id not in withdrawn] if withdrawn else chunks
 
     async def count(self) -> int:
         """Chunks in the collection (cheap: no documents are read)."""
@@ -168,7 +181,7 @@ class CollectionIndex:
                 documents = page["documents"] if texts else [""] * len(page["ids"])
                 chunks += [to_chunk(i, text, meta, retrieved=False)
                            for i, text, meta in zip(page["ids"], documents, page["metadatas"])]
-            return chunks
+            return self.visible(chunks)
 
     def chunks(self, ids: list[str], scores: list[float],
                rows: dict[str, tuple[str, dict[str, Any]]] | None = None) -> list[ContextChunk]:

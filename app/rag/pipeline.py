@@ -198,7 +198,7 @@ class Pipeline:
         ranking = await self._retrievals.get((question, top_k, source_prefix, cache_salt),
                                              lambda: self.ranker.rank(question, top_k, source_prefix),
                                              keep=lambda found: found.complete)
-        return ranking.chunks
+        return self.index.visible(ranking.chunks)
 
     async def _generate(self, prompt: Prompt, talk: Conversation, clock: Clock) -> AsyncIterator[Delta | Answer]:
         sampling, defaults = talk.sampling, self.sampling

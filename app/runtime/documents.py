@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any, BinaryIO, Literal
 
-from app.core import derived
+from app.core import derived, withdrawals
 from app.core.errors import BadRequest, NotFound, StoreUnavailable, UnsupportedMediaType
 from app.core.inventory import StoredDocument, stored_documents
 from app.core.records import DOCUMENT_SUFFIXES, file_hash, pipeline_identity
@@ -31,8 +31,8 @@ from app.core.settings import Settings, environment_of
 from app.core.settings_names import LEGACY, PREFIX
 from app.core.store import (
     CollectionMissing,
+    LockBusy,
     StoreError,
-    mark_changed,
     open_collection,
     write_lock,
 )
@@ -57,14 +57,24 @@ class Job:
 
 
 class Documents:
-    def __init__(self, settings: Settings, index: CollectionIndex, changed: Callable[[bool], Awaitable[None]]) -> None:
+    def __init__(self, settings: Settings, index: CollectionIndex, changed: Callable[[bool], Awaitable[None]],
+                 forget: Callable[[], None]) -> None:
         """``changed(prime)``: makes the service see the collection as it is now (it forgets what it cached of it,
-        re-warms, and with ``prime`` loads its indexes again) and returns when it has."""
-        self.settings, self.index, self.changed = settings, index, changed
+        re-warms, and with ``prime`` loads its indexes again) and returns when it has; ``forget()``: makes it drop
+        what it retrieved and arranged, its handles kept (a document was withdrawn)."""
+        self.settings, self.index, self.changed, self.forget = settings, index, changed, forget
         self._jobs: OrderedDict[str, Job] = OrderedDict()
-        self._work: asyncio.Queue[Callable[[], Awaitable[None]]] = asyncio.Queue()  # jobs, index saves: in order
+        self._work: asyncio.Queue[Callable[[], Awaitable[None]]] = asyncio.Queue()  # jobs, deletions: in order
         self._runner: asyncio.Task[None] | None = None
         self._writing = asyncio.Lock()  # jobs and deletions of this process, one at a time
+        self._resume()
+
+    def _resume(self) -> None:
+        """Deletions a stopped service had answered but not finished: withdrawn at once, their rows deleted as
+        the first work."""
+        if withdrawn := withdrawals.withdrawn_ids(self.settings.chroma):
+            self.index.withdraw(withdrawn)
+            self._queue(self._finish_withdrawals)
 
     async def submit(self, files: list[tuple[str, BinaryIO]]) -> Job:
         """Queue an upload of ``(name, content)`` pairs; every name is checked before anything is stored."""
@@ -78,11 +88,11 @@ class Documents:
         self._jobs[job.id] = job
         while len(self._jobs) > JOBS_KEPT and (oldest := next(iter(self._jobs.values()))).finished_at is not None:
             self._jobs.pop(oldest.id)
-        self._work.put_nowait(functools.partial(self._upload, job, folder))
-        self._start()
+        self._queue(functools.partial(self._upload, job, folder))
         return job
 
-    def _start(self) -> None:
+    def _queue(self, work: Callable[[], Awaitable[None]]) -> None:
+        self._work.put_nowait(work)
         if self._runner is None:
             self._runner = asyncio.create_task(self._run_work(), name="document-jobs")
 
@@ -125,36 +135,58 @@ class Documents:
         return plan
 
     def _held(self) -> dict[str, StoredDocument]:
-        """What the collection holds, per document (nothing while it does not exist yet), as stored now."""
+        """What the collection holds, per document (nothing while it does not exist yet), as stored now, less the
+        withdrawn documents."""
         try:
             chroma = self.settings.chroma
-            return stored_documents(open_collection(chroma, self.index.embedder, create=False), chroma)
+            held = stored_documents(open_collection(chroma, self.index.embedder, create=False), chroma)
+            withdrawn = withdrawals.pending(chroma)
+            return {doc_id: entry for doc_id, entry in held.items() if doc_id not in withdrawn}
         except CollectionMissing:
             return {}
         except StoreError as exc:
             raise StoreUnavailable(str(exc)) from exc
 
     async def delete(self, doc_id: str) -> int:
-        """Delete a document's chunks under the writers' lock; the service drops what it cached of the collection
-        before this returns (its indexes reload at the next question); BM25 and the pages are saved again after,
-        as the next job: its chunk count."""
+        """Withdraw a document: its chunk ids recorded under the writers' lock, and the service drops what it
+        retrieved and arranged, so none is cited once this returns; its rows are deleted after, as the next work,
+        then BM25 and the pages saved again (``app.core.withdrawals``). Returns its chunk count."""
         async with self._writing:
-            deleted = await asyncio.to_thread(self._delete, doc_id)  # seconds for a big one: not a user's thread
-            await self.changed(False)
-        self._work.put_nowait(self._save_indexes)
-        self._start()
-        return deleted
+            ids = await asyncio.to_thread(self._withdraw, doc_id)  # the lock may wait for a writer: not the loop
+            self.index.withdraw(self.index.withdrawn | ids)
+            self.forget()
+        self._queue(self._finish_withdrawals)
+        return len(ids)
 
-    def _delete(self, doc_id: str) -> int:
-        with write_lock(self.settings.chroma, self.settings.ingest.lock_timeout_s), chroma_errors("delete"):
-            collection = self.index.collection
-            ids = collection.get(where={"doc_id": doc_id}, include=[])["ids"]
+    def _withdraw(self, doc_id: str) -> frozenset[str]:
+        chroma = self.settings.chroma
+        with write_lock(chroma, self.settings.ingest.lock_timeout_s), chroma_errors("delete"):
+            withdrawn = withdrawals.pending(chroma)
+            ids = [] if doc_id in withdrawn else self.index.collection.get(where={"doc_id": doc_id}, include=[])["ids"]
             if ids:
-                collection.delete(ids=ids)
-                mark_changed(collection)
+                withdrawals.record(chroma, doc_id, ids)
         if not ids:
             raise NotFound(f"no document {doc_id!r} in the collection", param="doc_id", code="document_not_found")
-        return len(ids)
+        return frozenset(ids)
+
+    async def _finish_withdrawals(self) -> None:
+        """Delete the withdrawn documents' rows (an ingest run may have done it first), then reload the
+        collection (``CollectionIndex.reopen`` takes the withdrawn set from the record, empty now). BM25 and the
+        pages are saved again after."""
+        async with self._writing:
+            try:
+                await asyncio.to_thread(self._finish_now)
+            except LockBusy:  # the ingest holding the lock took it after the record was written: it finishes it
+                log.info("withdrawn documents' rows left to the ingest run holding the write lock")
+                return
+            await self.changed(False)  # the stamp moved: handles reopened, the withdrawn set read again (empty)
+            self.forget()  # rankings remembered while the set held their chunks: filtered out until now
+        self._queue(self._save_indexes)
+
+    def _finish_now(self) -> None:
+        chroma = self.settings.chroma
+        with write_lock(chroma, self.settings.ingest.lock_timeout_s), chroma_errors("delete"):
+            withdrawals.finish(self.index.collection, chroma)
 
     async def _save_indexes(self) -> None:
         """BM25 and the pages as ingest leaves them at its end, saved: every process loads them, none rebuilds

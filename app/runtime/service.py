@@ -65,9 +65,11 @@ class Service:
             self._retrievals -= 1
 
     async def describe(self) -> dict[str, Any]:
-        """The served collection now: its chunks and generation, readiness, strategy and pre-warm's progress."""
+        """The served collection now: its chunks (less those withdrawn) and generation, readiness, strategy and
+        pre-warm's progress."""
         index = self.pipeline.index
-        return {"id": index.chroma.collection, "chunks": await index.count(), "generation": await index.generation(),
+        chunks = await index.count() - len(index.withdrawn)
+        return {"id": index.chroma.collection, "chunks": chunks, "generation": await index.generation(),
                 "ready": self.watcher.problem is None, "problem": self.watcher.problem, "strategy": self.planner.name,
                 "warmup": asdict(self.warmer.progress)}
 
@@ -89,8 +91,13 @@ class Service:
     async def collection_changed(self, rewarm: bool) -> None:
         """An ingest changed the collection (or it is gone): drop everything cached of it; re-warm."""
         self.pipeline.index.reopen()
-        self.pipeline.forget()
-        self.planner.forget_collection()
+        self.forget_arranged()
         self.metrics.collection_reloads.inc()
         if rewarm:  # in the background; a deleted collection has nothing to warm
             self.warmer.restart()
+
+    def forget_arranged(self) -> None:
+        """Nothing retrieved, arranged or read of the collection before is used again (a document was
+        withdrawn: the store's handles stay open)."""
+        self.pipeline.forget()
+        self.planner.forget_collection()

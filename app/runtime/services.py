@@ -165,7 +165,7 @@ def assemble(clients: Clients, settings: Settings, metrics: ServiceMetrics) -> S
         watcher.subscribe(clients.ranker.collection_changed)
     service = Service(pipeline, planner, traffic, clients.upstream, warmer, watcher, metrics,
                       settings.traffic.max_retrievals)
-    documents = Documents(settings, clients.index, watcher.check_now)
+    documents = Documents(settings, clients.index, watcher.check_now, service.forget_arranged)
     return Services(clients, metrics, builder, estimator, planner, traffic, pipeline, warmer, watcher, service, queue,
                     documents)
 

@@ -5,13 +5,15 @@ fake vLLM at its seam."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 
-from app.core import lexical
+from app.core import lexical, withdrawals
+from app.core.store import open_collection, write_lock
 from app.serve.app import create_app
 from ingest.pipeline import run_ingest
 from tests.support.corpora import app_settings, write_notes
@@ -123,11 +125,47 @@ def test_the_collection_is_described_and_its_description_follows_a_deletion(tmp_
         before = httpx.get(server.url + "/v1/collections/described", timeout=30).json()
         assert httpx.delete(server.url + "/v1/documents/para-001", timeout=60).status_code == 200
         after = httpx.get(server.url + "/v1/collections/described", timeout=30).json()
+        deadline = time.monotonic() + 60  # the stamp moves once the rows are deleted, just after the DELETE
+        while (moved := httpx.get(server.url + "/v1/collections/described", timeout=30).json())[
+                "generation"] == before["generation"]:
+            assert time.monotonic() < deadline, "the generation did not move after the deletion"
+            time.sleep(0.1)
         other = httpx.get(server.url + "/v1/collections/elsewhere", timeout=30)
     assert [c["id"] for c in listed] == ["described"] and listed[0]["documents"] == before["documents"]
     assert before["object"] == "collection" and before["documents"] == len(notes) and before["ready"]
     assert before["chunks"] >= len(notes) and before["strategy"] == settings.context.strategy
     assert before["warmup"]["state"] and before["problem"] is None
     assert after["documents"] == len(notes) - 1 and after["chunks"] < before["chunks"]
-    assert after["generation"] != before["generation"]  # what a client watches to know the collection changed
+    assert (moved["documents"], moved["chunks"]) == (after["documents"], after["chunks"])
+    assert moved["generation"] != before["generation"]  # what a client watches to know the collection changed
     assert other.status_code == 404 and other.json()["error"]["code"] == "collection_not_found"
+
+
+def test_a_deletion_answered_before_a_stop_is_never_cited_and_its_rows_go_at_the_next_start(tmp_path, embedder):
+    settings = app_settings(tmp_path / "chroma", "http://unused/v1", collection="withdrawn", hotness_dir=None)
+    settings.ingest.lock_timeout_s = 120
+    write_notes(tmp_path / "docs")
+    (tmp_path / "docs" / "harbour.md").write_bytes(HARBOUR_MD)
+    run_ingest([tmp_path / "docs"], settings, embedder)
+    stored = open_collection(settings.chroma, embedder, create=False)
+    ids = stored.get(where={"doc_id": "harbour.md"}, include=[])["ids"]
+    withdrawals.record(settings.chroma, "harbour.md", ids)  # what a DELETE leaves until the rows are deleted
+    with contextlib.ExitStack() as writer:
+        writer.enter_context(write_lock(settings.chroma, 10))  # a writer holds the lock: the rows stay meanwhile
+        with AppServer(create_app(settings, embedder=embedder, llm=FakeVLLM())) as server:
+            server.wait_ready()
+            meanwhile = cited(server, "When was the harbour of Velmora dredged?")
+            listed = {d["id"] for d in httpx.get(server.url + "/v1/documents", timeout=30).json()["data"]}
+            rows_meanwhile = len(stored.get(ids=ids, include=[])["ids"])
+            writer.close()
+            deadline = time.monotonic() + 60
+            while withdrawals.pending(settings.chroma):
+                assert time.monotonic() < deadline, "the withdrawn rows were not deleted"
+                time.sleep(0.1)
+            after = cited(server, "When was the harbour of Velmora dredged?")
+            again = httpx.delete(server.url + "/v1/documents/harbour.md", timeout=60)
+    assert rows_meanwhile == len(ids) > 0  # still stored, never cited
+    assert "harbour.md" not in meanwhile | listed | after and "para-000" in listed
+    assert again.status_code == 404
+    reread = open_collection(settings.chroma, embedder, create=False)
+    assert reread.get(ids=ids, include=[])["ids"] == []

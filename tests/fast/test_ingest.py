@@ -7,6 +7,7 @@ import shutil
 
 import pytest
 
+from app.core import withdrawals
 from ingest.pipeline import run_ingest
 from tests.support.corpora import collection_of, lexical_ids, snapshot
 from tests.support.env import run_cli
@@ -130,6 +131,19 @@ def test_deleted_file_stays_until_prune_then_goes(tmp_path, settings_factory, em
     assert pruned.files_removed == 1 and pruned.chunks_deleted >= 1
     assert not any(m["doc_id"] == "notes.txt" for _, m in snapshot(settings, embedder).values())
     assert lexical_ids(settings) == set(snapshot(settings, embedder))
+
+
+def test_a_run_first_deletes_the_rows_of_documents_the_service_withdrew(tmp_path, settings_factory, embedder):
+    corpus = write_corpus(tmp_path / "corpus")
+    settings = settings_factory()
+    run_ingest([corpus], settings, embedder)
+    ids = [i for i, (_, meta) in snapshot(settings, embedder).items() if meta["doc_id"] == "notes.txt"]
+    withdrawals.record(settings.chroma, "notes.txt", ids)  # deleted over HTTP, the service stopped before its rows
+    (corpus / "notes.txt").unlink()
+    report = run_ingest([corpus], settings, embedder)  # no prune: a file merely gone would be kept
+    assert report.chunks_deleted == len(ids) > 0 and withdrawals.pending(settings.chroma) == {}
+    assert not any(m["doc_id"] == "notes.txt" for _, m in snapshot(settings, embedder).values())
+    assert lexical_ids(settings) == set(snapshot(settings, embedder))  # the indexes saved without them
 
 
 def test_removed_jsonl_record_is_deleted_without_prune(tmp_path, settings_factory, embedder):
