@@ -6,8 +6,9 @@ The app starts over a fresh on-disk collection (no vLLM needed: ``/v1/retrieve``
 files are uploaded in one request; the job's wall time (upload, ingest in its child process, the service's
 reload) against the same chunk texts encoded in-process by the same encoder and batches (the ceiling); then a
 question from an uploaded document is ranked until it is found; then a generated document of ``--big-mb`` MB is
-uploaded and deleted, the ``DELETE`` timed. Targets (issue 34): upload >= 0.9 x the raw encoder; answerable <= 5 s
-after done; deleting a 7.5 MB document <= 1 s.
+uploaded and deleted, the ``DELETE`` timed, its hits for one of its sentences counted before and just after it, and
+the time until its rows are gone (the generation moves). Targets (issue 34): upload >= 0.9 x the raw encoder;
+answerable <= 5 s after done; deleting a 7.5 MB document <= 1 s.
 """
 
 from __future__ import annotations
@@ -49,6 +50,11 @@ def finished(client: httpx.Client, response: httpx.Response, timeout_s: float = 
     if job["status"] != "done":
         raise SystemExit(f"the job failed: {job}")
     return job, time.perf_counter()
+
+
+def ranked_from(client: httpx.Client, lookup: dict[str, Any], document: str) -> int:
+    """How many of ``/v1/retrieve``'s hits for ``lookup`` come from ``document``."""
+    return sum(hit["document"] == document for hit in client.post("/v1/retrieve", json=lookup).json()["data"])
 
 
 def raw_encoder_over(chroma: Path, collection: str) -> tuple[float, int]:
@@ -112,10 +118,17 @@ def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
             answerable_s = time.perf_counter() - done_at
             big = big_document(args.big_mb)
             big_job, _ = finished(client, client.post("/v1/documents", files=[("files", ("ledger.md", big))]))
+            ledger = {"question": big.decode().split("\n\n")[1].split(". ")[0], "top_k": 10}
+            cited_before = ranked_from(client, ledger, "ledger.md")
+            generation = client.get(f"/v1/collections/{collection}").json()["generation"]
             started = time.perf_counter()
             deleted = client.delete("/v1/documents/ledger.md")
             delete_s = time.perf_counter() - started
             deleted.raise_for_status()
+            cited_after = ranked_from(client, ledger, "ledger.md")
+            while client.get(f"/v1/collections/{collection}").json()["generation"] == generation:
+                time.sleep(0.05)
+            rows_gone_s = time.perf_counter() - started
     finally:
         app.stop()
         if args.app_log:
@@ -132,6 +145,8 @@ def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         "answerable_after_done_s": round(answerable_s, 3),
         "big_document_mb": round(len(big) / 1e6, 2), "big_document_chunks": deleted.json()["chunks"],
         "big_upload_job_s": big_job["report"]["seconds"], "delete_s": round(delete_s, 3),
+        "big_hits_before_delete": cited_before, "big_hits_after_delete": cited_after,
+        "rows_gone_after_delete_s": round(rows_gone_s, 3),
         "chroma_delete_alone_s": round(alone_s, 3),
     }
 
@@ -151,7 +166,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"upload: {result['chunks_embedded']} chunks in {result['upload_s']:.1f}s, "
           f"{result['ratio_to_encoder']} x the raw encoder; answerable {result['answerable_after_done_s']:.3f}s "
           f"after done; a {result['big_document_mb']} MB document deleted in {result['delete_s']:.3f}s "
-          f"(Chroma alone {result['chroma_delete_alone_s']:.3f}s)")
+          f"(hits {result['big_hits_before_delete']} -> {result['big_hits_after_delete']}; rows gone after "
+          f"{result['rows_gone_after_delete_s']:.3f}s; Chroma alone {result['chroma_delete_alone_s']:.3f}s)")
     return 0
 
 
