@@ -38,7 +38,10 @@ class RouteKeys:
         self._uses = 0
         self._turns: dict[str, int] = {}
 
-    def key(self, context: list[ContextChunk], replicas: int) -> str:
+    def key(self, context: list[ContextChunk], replicas: int, hint: str | None = None) -> str:
+        """``hint``: the client's ``prompt_cache_key``, the key of a request without context (else unused)."""
+        if hint and not context:
+            return hashlib.sha256(f"client:{hint}".encode()).hexdigest()[:16]
         unit = affinity_key(context)
         weight = self._count(unit)
         copies = min(replicas, math.ceil(self._counts[unit] / self._total * replicas * 2))

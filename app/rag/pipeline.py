@@ -166,7 +166,7 @@ class Pipeline:
         # replica its pre-warm went to (a hot unit's turn 1 may have gone to another: the unit is cached there too).
         replicas = served.replicas if len(talk.questions) == 1 else 1
         prompt = Prompt(messages, plan, kept, retrieved[-1], self.planner.strategy_for(first),
-                        self.route_keys.key(first, replicas))
+                        self.route_keys.key(first, replicas, talk.route_hint))
         try:
             async for event in self._generate(prompt, talk, clock):
                 yield event

@@ -63,6 +63,7 @@ class ChatQuery:
     sampling: Sampling = Sampling()
     cache_salt: str | None = None  # the tenant's own prefix cache (``app.serve.tenants``); None: the shared one
     received_at: float = field(default_factory=time.perf_counter)
+    route_hint: str | None = None  # the client's ``prompt_cache_key``: routes a request without context
 
 
 @dataclass(frozen=True)
@@ -77,6 +78,7 @@ class Conversation:
     sampling: Sampling = Sampling()
     cache_salt: str | None = None  # the tenant's own prefix cache (``app.serve.tenants``); None: the shared one
     received_at: float = field(default_factory=time.perf_counter)
+    route_hint: str | None = None  # the client's ``prompt_cache_key``: routes a request without context
 
     @property
     def questions(self) -> list[str]:
@@ -116,7 +118,7 @@ class RequestRules:
             content = self._question(turn.content, f"messages[{number}]") if turn.role == "user" else turn.content
             turns.append(Turn(turn.role, content))
         return Conversation(tuple(turns), self._top_k(None), self._max_tokens(chat.max_tokens), chat.system,
-                            None, chat.sampling, chat.cache_salt, chat.received_at)
+                            None, chat.sampling, chat.cache_salt, chat.received_at, chat.route_hint)
 
     def _question(self, text: object, where: str) -> str:
         question = text.strip() if isinstance(text, str) else ""

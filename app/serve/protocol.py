@@ -220,6 +220,10 @@ class GenerationRequest(BaseModel):
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     stream_options: StreamOptions | None = None
     user: Text | None = None
+    prompt_cache_key: Text | None = Field(None, max_length=256, description=(
+        "OpenAI's cache hint, taken as a routing hint only: a request that retrieved no context goes to the vLLM "
+        "replica its key names (one with context goes where its documents are cached); never sent to vLLM, never "
+        "a cache salt."))
     response_format: ResponseFormat | None = None
     n: int | None = Field(None, ge=1, description="Answers per request: only 1 is supported.")
 

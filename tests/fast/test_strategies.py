@@ -112,3 +112,15 @@ def test_a_hot_unit_takes_turns_among_several_routing_keys_and_the_others_keep_t
     assert hot_keys[:4] in ([affinity_key(hot), affinity_key(hot) + ".1"] * 2,
                             [affinity_key(hot) + ".1", affinity_key(hot)] * 2)
     assert {key for context, key, _ in late if context is cold} == {affinity_key(cold)}
+
+
+def test_a_client_s_prompt_cache_key_routes_only_a_request_without_context():
+    from app.rag.affinity import RouteKeys, affinity_key
+    from app.rag.context import ContextChunk
+
+    context = [ContextChunk(id="a#0", doc_id="a", chunk_index=0, text="...", unit="a")]
+    keys = RouteKeys()
+    assert keys.key(context, 2, hint="conversation-7") == affinity_key(context)  # its documents' replica
+    assert keys.key([], 2, hint="conversation-7") == keys.key([], 2, hint="conversation-7") != affinity_key([])
+    assert keys.key([], 2, hint="conversation-8") != keys.key([], 2, hint="conversation-7")
+    assert keys.key([], 2) == affinity_key([])

@@ -102,7 +102,7 @@ def to_chat_query(body: ChatCompletionRequest, cache_salt: str | None = None) ->
     system = "\n\n".join(m.text() for m in body.messages if m.role in ("system", "developer") and m.text())
     turns = [Turn(m.role, m.text()) for m in body.messages if m.role in ("user", "assistant")]
     return ChatQuery(turns=turns, system=system, max_tokens=body.max_completion_tokens or body.max_tokens,
-                     sampling=sampling_of(body), cache_salt=cache_salt)
+                     sampling=sampling_of(body), cache_salt=cache_salt, route_hint=body.prompt_cache_key)
 
 
 def sampling_of(body: GenerationRequest) -> Sampling:

@@ -32,7 +32,7 @@ async def completions(body: TextCompletionRequest, request: Request, service: Se
                       settings: SettingsDep, tenant: Reader) -> Any:
     model = served_model(body, settings)
     query = ChatQuery(turns=[Turn("user", body.question())], max_tokens=body.max_tokens, sampling=sampling_of(body),
-                      cache_salt=tenant.cache_salt)
+                      cache_salt=tenant.cache_salt, route_hint=body.prompt_cache_key)
     ident, created = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time())
     append = settings.service.append_sources
     if body.stream:
