@@ -29,8 +29,8 @@ def save_current(collection: Collection, cfg: ChromaSettings, paging: PageSettin
     service reloading on it finds them saved instead of building its own from every row."""
     stamp = (generation, collection.count()) if generation else stamp_of(collection)
     folder, path, listed = lexical.index_dir(cfg), pages.path_of(cfg), inventory.path_of(cfg)
-    saved_lexical, saved_pages = lexical.load(folder), pages.load(path)
-    terms = lexical.LexicalRows() if saved_lexical is None or saved_lexical.stamp != stamp else None
+    saved_pages = pages.load(path)  # the previous pages: a document keeps its page
+    terms = lexical.LexicalRows() if lexical.saved_stamp(folder) != stamp else None
     stale_pages = saved_pages is None or saved_pages.stamp != (*stamp, paging.tokens)
     parents = pages.ParentSums() if stale_pages and paging.tokens else None  # pages off (0 tokens): no vectors
     documents = inventory.DocumentRows() if inventory.recorded_stamp(listed) != stamp else None

@@ -30,6 +30,7 @@ from app.core.settings import ChromaSettings
 from app.core.store import all_rows, derived_dir, stamp_of
 
 META = "prefixrag-lexical.json"
+STAMP = "prefixrag-lexical-stamp.json"  # the stamp alone: checked without reading the ids, sources and scores
 ROWS_READ = ["documents", "metadatas"]  # what building the index reads of each row
 _per_thread = threading.local()
 
@@ -130,6 +131,7 @@ def save(index: LexicalIndex, folder: Path) -> None:
     fresh.mkdir(parents=True, exist_ok=True)
     (fresh / META).write_text(json.dumps({"generation": index.generation, "ids": index.ids,
                                           "sources": index.sources}))
+    (fresh / STAMP).write_text(json.dumps(list(index.stamp)))
     old = folder.with_name(f".{folder.name}.old-{uuid.uuid4().hex[:8]}")
     if folder.exists():
         folder.rename(old)
@@ -150,10 +152,20 @@ def load(folder: Path) -> LexicalIndex | None:
     return LexicalIndex(meta["generation"], meta["ids"], meta["sources"], bm25)
 
 
+def saved_stamp(folder: Path) -> tuple[str, int] | None:
+    """The saved index's stamp, its ids, sources and scores not read (None: no index saved)."""
+    try:
+        generation, count = json.loads((folder / STAMP).read_text())
+        return str(generation), int(count)
+    except (OSError, ValueError, TypeError):
+        saved = load(folder)  # saved before the stamp had a file of its own
+        return saved.stamp if saved is not None else None
+
+
 def current(collection: Collection, cfg: ChromaSettings) -> LexicalIndex:
     """The index matching the collection as it is now: the saved one if its stamp matches, else built afresh in
-    memory (a writer saves it: ``app.core.derived``)."""
-    saved = load(index_dir(cfg))
-    if saved is not None and saved.stamp == stamp_of(collection):
-        return saved
+    memory (a writer saves it: ``app.core.derived``); a stale saved one is never loaded."""
+    folder, stamp = index_dir(cfg), stamp_of(collection)
+    if saved_stamp(folder) == stamp and (saved := load(folder)) is not None and saved.stamp == stamp:
+        return saved  # checked again: a writer may have swapped in another between the two reads
     return build(collection)

@@ -4,6 +4,7 @@ putting a question's page first. Real parts: the packaged embedder, on-disk Chro
 from __future__ import annotations
 
 from app.core import pages
+from app.core.store import stamp_of
 from ingest.pipeline import run_ingest
 from tests.support.corpora import collection_of, write_notes
 
@@ -85,3 +86,22 @@ def test_a_writer_saves_bm25_and_pages_from_one_read_of_the_rows_each_as_built_a
     derived.save_current(collection, settings.chroma, settings.pages)
     assert collection.reads == 1, "both indexes from one read"
     assert lexical.load(folder).ids == saved.ids and pages.load(path).pages
+
+
+def test_a_stale_saved_bm25_index_is_judged_by_its_stamp_alone_never_loaded(tmp_path, settings_factory, embedder,
+                                                                           monkeypatch):
+    from app.core import lexical
+    from app.core.store import mark_changed
+
+    write_notes(tmp_path / "docs")
+    settings = settings_factory(path=tmp_path / "chroma")
+    run_ingest([tmp_path / "docs"], settings, embedder)
+    collection, folder = collection_of(settings, embedder), lexical.index_dir(settings.chroma)
+    saved = lexical.load(folder)
+    assert lexical.saved_stamp(folder) == saved.stamp == stamp_of(collection)
+    assert lexical.current(collection, settings.chroma).ids == saved.ids  # current: the saved one, loaded
+    mark_changed(collection)  # a write outside ingest: the saved index is stale
+    loads = []
+    monkeypatch.setattr(lexical, "load", lambda *a: loads.append(a))
+    assert sorted(lexical.current(collection, settings.chroma).ids) == sorted(saved.ids)  # built afresh
+    assert loads == [], "a stale index was loaded only to be thrown away"
