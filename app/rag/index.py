@@ -43,6 +43,7 @@ class CollectionIndex:
         # Background reads (pre-warm scanning the collection) queue here, not ahead of a user's retrieval.
         self.background_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="background-read")
         self._collection: Any = None
+        self._fresh: Future[None] | None = None  # a reopened store's handle being opened (``reopen``)
         self._sources: tuple[float, list[str]] = (0.0, [])
         # Indexes derived from the collection as opened (BM25, pages), each loaded or being built.
         self._derived: dict[str, Future[Any]] = {}
@@ -68,11 +69,19 @@ class CollectionIndex:
     def collection(self) -> Any:
         # Opened lazily and retried per request: the service may start before the first ingest.
         if self._collection is None:
-            try:
-                self._collection = open_collection(self.chroma, self.embedder, create=False)
-            except StoreError as exc:
-                raise StoreUnavailable(str(exc)) from exc
+            self._collection = self._open()
         return self._collection
+
+    def _open(self) -> Any:
+        try:
+            return open_collection(self.chroma, self.embedder, create=False)
+        except StoreError as exc:
+            raise StoreUnavailable(str(exc)) from exc
+
+    @property
+    def reopening(self) -> bool:
+        """Is a fresh handle still being opened (``reopen``)? Vector searches meanwhile use the one open before."""
+        return self._fresh is not None and not self._fresh.done()
 
     async def generation(self) -> str | None:
         """The collection's generation stamp as stored now (None: no collection yet); see ``reopen``."""
@@ -82,12 +91,31 @@ class CollectionIndex:
             raise StoreUnavailable(str(exc)) from exc
 
     def reopen(self) -> None:
-        """After an ingest changed the collection: open it afresh on the next request (embedded Chroma must
-        reload from disk to see another process's writes)."""
-        if not self.chroma.url:
-            forget_clients()
-        self._collection, self._sources, self._derived = None, (0.0, []), {}
+        """After an ingest changed the collection: open it afresh (embedded Chroma must reload from disk to see
+        another process's writes). An embedded store's fresh handle is opened and its vector index loaded on the
+        background thread, ahead of the derived indexes (that load takes seconds at 100K chunks, and grows with
+        the corpus); until then questions are searched on the handle open before, whose reads see the store as
+        it is now and whose vector search misses only the chunks added since (such rankings are not remembered:
+        hybrid ones are dense alone then, as BM25 reloads after). A Chroma server's opens at the next request."""
+        self._sources, self._derived = (0.0, []), {}
         self.withdraw(withdrawals.withdrawn_ids(self.chroma))  # as recorded now (finished ones are cleared)
+        if self.chroma.url or self._collection is None:
+            if not self.chroma.url:
+                forget_clients()
+            self._collection = None
+            return
+        self._fresh = self.background_executor.submit(self._open_fresh)
+
+    def _open_fresh(self) -> None:
+        forget_clients()  # handles open keep working on the old state: questions in flight are not disturbed
+        try:
+            fresh = self._open()
+        except StoreUnavailable:
+            self._collection = None  # the next request opens it, or reports why not
+            return
+        with contextlib.suppress(Exception):  # an empty collection has no vector index to load
+            fresh.query(query_embeddings=self.embedder.embed(["load the vector index"]), n_results=1, include=[])
+        self._collection = fresh
 
     def forget_rows(self) -> None:
         """Drop the chunk rows read so far: from now on every row is read from the store (a chunk deleted since
@@ -158,8 +186,8 @@ class CollectionIndex:
                 build(True)
 
     def _index(self, kind: str, build: Callable[[Any], Any], wait: bool) -> Any:
-        if kind not in self._derived:
-            self._derived[kind] = self.background_executor.submit(build, self.collection)
+        if kind not in self._derived:  # the handle taken on that thread: a reopened one once it is open
+            self._derived[kind] = self.background_executor.submit(lambda: build(self.collection))
         future = self._derived[kind]
         if not (wait or future.done()):
             return None

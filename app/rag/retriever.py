@@ -20,7 +20,8 @@ from app.rag.vectors import QuestionVectors
 @dataclass(frozen=True)
 class Ranking:
     """A question's top chunks; ``complete`` is False when hybrid answered by the dense ranking alone because
-    BM25 was still loading (after a start or a reload): such a ranking is used once, not remembered."""
+    BM25 was still loading (after a start or a reload), or when a dense one was searched on the handle open before a
+    reload: such a ranking is used once, not remembered."""
 
     chunks: list[ContextChunk]
     complete: bool = True
@@ -67,8 +68,9 @@ class Retriever:
         if where == {"source": {"$in": []}}:
             return Ranking([])  # the filter matches no source at all
         lexical = self.index.lexical_index(wait=mode == "lexical") if mode != "dense" else None
-        if lexical is None:
-            return Ranking(self._dense(question, k, where, vector), complete=mode == "dense")
+        if lexical is None:  # a dense ranking made while a reload opens the store: used once, not remembered
+            complete = mode == "dense" and not self.index.reopening
+            return Ranking(self._dense(question, k, where, vector), complete=complete)
         if mode == "lexical":
             found = lexical.search(question, k, set(where["source"]["$in"]) if where else None)
             return Ranking(self.index.chunks([i for i, _ in found], [score for _, score in found]))

@@ -248,3 +248,29 @@ def test_a_source_filter_takes_the_sources_from_the_loaded_bm25_index_without_re
     monkeypatch.setattr(index.collection, "get", lambda **kw: reads.append(kw) or get(**kw))
     assert index.sources() == stored and len(stored) > 1
     assert reads == []
+
+
+def test_a_reload_opens_the_store_beside_the_questions_which_search_the_open_handle_meanwhile(retriever,
+                                                                                            monkeypatch):
+    import threading
+    import time
+
+    import app.rag.index
+    from app.core.store import open_collection
+
+    index, question = retriever.index, "What is vLLM?"
+    index.lexical_index(wait=True)
+    before, gate = index.collection, threading.Event()
+    monkeypatch.setattr(app.rag.index, "open_collection",  # the fresh open (and its vector index) takes a while
+                        lambda *args, **kwargs: gate.wait(30) and open_collection(*args, **kwargs))
+    index.reopen()
+    started = time.perf_counter()
+    dense, hybrid = retriever.rank_sync(question, 3, mode="dense"), retriever.rank_sync(question, 3, mode="hybrid")
+    waited = time.perf_counter() - started
+    assert waited < 5 and index.reopening and index.collection is before  # answered from the handle open
+    assert dense.chunks and hybrid.chunks and not dense.complete and not hybrid.complete  # not remembered
+    gate.set()
+    index.lexical_index(wait=True)  # BM25 reloads after the fresh handle, on the same thread
+    assert not index.reopening and index.collection is not before
+    assert retriever.rank_sync(question, 3, mode="dense").complete
+    assert retriever.rank_sync(question, 3, mode="hybrid").complete
