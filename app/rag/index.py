@@ -113,8 +113,9 @@ class CollectionIndex:
         except StoreUnavailable:
             self._collection = None  # the next request opens it, or reports why not
             return
-        with contextlib.suppress(Exception):  # an empty collection has no vector index to load
-            fresh.query(query_embeddings=self.embedder.embed(["load the vector index"]), n_results=1, include=[])
+        if self.ranks:  # questions are searched here (else worker processes search their own handles)
+            with contextlib.suppress(Exception):  # an empty collection has no vector index to load
+                fresh.query(query_embeddings=self.embedder.embed(["load the vector index"]), n_results=1, include=[])
         self._collection = fresh
 
     def forget_rows(self) -> None:

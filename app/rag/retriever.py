@@ -122,8 +122,11 @@ class Retriever:
             found = self.index.collection.query(query_embeddings=[self._vector(question, vector)], n_results=k,
                                                 where=where, include=["documents", "metadatas", "distances"])
         rows = zip(found["ids"][0], found["documents"][0], found["metadatas"][0], found["distances"][0])
+        # A handle opened before another process deleted rows (a reload still opening the store) finds their ids
+        # in its vector index with no row behind them: left out.
+        present = [row for row in rows if row[1] is not None and row[2] is not None]
         return [to_chunk(chunk_id, text, meta, 1.0 - distance, rank)
-                for rank, (chunk_id, text, meta, distance) in enumerate(rows)]
+                for rank, (chunk_id, text, meta, distance) in enumerate(present)]
 
     def _vector(self, question: str, vector: list[float] | None) -> list[float]:
         """The question's embedding: the one given, else encoded now (scripts and tests that pass none)."""

@@ -250,27 +250,37 @@ def test_a_source_filter_takes_the_sources_from_the_loaded_bm25_index_without_re
     assert reads == []
 
 
-def test_a_reload_opens_the_store_beside_the_questions_which_search_the_open_handle_meanwhile(retriever,
+def test_a_reload_opens_the_store_beside_the_questions_which_search_the_open_handle_meanwhile(tmp_path, embedder,
                                                                                             monkeypatch):
     import threading
     import time
 
     import app.rag.index
-    from app.core.store import open_collection
+    from app.core.store import forget_clients, open_collection
+    from ingest.pipeline import run_ingest
+    from tests.support.env import ROOT
 
+    settings = app_settings(tmp_path / "chroma", "http://unused/v1", collection="docs")
+    run_ingest([ROOT / "examples" / "docs"], settings, embedder)
+    retriever = Retriever.over(embedder, settings.chroma, ThreadPoolExecutor(1), settings.retrieval)
     index, question = retriever.index, "What is vLLM?"
     index.lexical_index(wait=True)
     before, gate = index.collection, threading.Event()
+    top = retriever.rank_sync(question, 3, mode="dense").chunks[0].id
     monkeypatch.setattr(app.rag.index, "open_collection",  # the fresh open (and its vector index) takes a while
                         lambda *args, **kwargs: gate.wait(30) and open_collection(*args, **kwargs))
     index.reopen()
+    forget_clients()  # another process deletes the top chunk: the open handle's vector index still holds it
+    open_collection(settings.chroma, embedder, create=False).delete(ids=[top])
     started = time.perf_counter()
     dense, hybrid = retriever.rank_sync(question, 3, mode="dense"), retriever.rank_sync(question, 3, mode="hybrid")
     waited = time.perf_counter() - started
     assert waited < 5 and index.reopening and index.collection is before  # answered from the handle open
     assert dense.chunks and hybrid.chunks and not dense.complete and not hybrid.complete  # not remembered
+    assert top not in {c.id for c in dense.chunks + hybrid.chunks}  # its row gone: left out, not an error
     gate.set()
     index.lexical_index(wait=True)  # BM25 reloads after the fresh handle, on the same thread
     assert not index.reopening and index.collection is not before
     assert retriever.rank_sync(question, 3, mode="dense").complete
     assert retriever.rank_sync(question, 3, mode="hybrid").complete
+    index.close()
