@@ -126,7 +126,10 @@ def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
             delete_s = time.perf_counter() - started
             deleted.raise_for_status()
             cited_after = ranked_from(client, ledger, "ledger.md")
+            deadline = time.monotonic() + 600
             while client.get(f"/v1/collections/{collection}").json()["generation"] == generation:
+                if time.monotonic() > deadline:
+                    raise SystemExit("the deleted document's rows were still stored 600 s after its DELETE")
                 time.sleep(0.05)
             rows_gone_s = time.perf_counter() - started
     finally:
