@@ -57,7 +57,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         first.append(window[0])
         slowest.append(max(window))
         index.lexical_index(wait=True)  # the reload done before the next round
-        while getattr(index, "reopening", False):
+        while getattr(index, "reopening", False):  # getattr: the same file measured the code before it had one
             time.sleep(0.01)
         print(f"round {round_}: first {window[0] * 1e3:.1f} ms, slowest {max(window) * 1e3:.1f} ms, "
               f"{len(window)} questions in the window")
