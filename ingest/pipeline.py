@@ -91,8 +91,10 @@ def run_ingest(roots: list[Path], settings: Settings, embedder: Any, *, prune: b
             result, _ = hashed(path, rel, settings, identity, by_source)
             return result if result.skipped_unchanged else None
 
+        # Stamped as being written before the first write (services drop what they read of the rows, reload at
+        # the end); a Chroma server has no lock to tell a service that the writer died: a plain stamp there.
         writer = ChunkWriter(collection, embedder, settings.ingest.write_batch, dry_run, report,
-                             before_first_write=lambda: mark_changed(collection))
+                             before_first_write=lambda: mark_changed(collection, writing=not settings.chroma.url))
         try:
             with file_preparers(files, settings, prepare, prepare_apart, unchanged, chunker,
                                 lambda: report.timed("load")) as (submit, depth):

@@ -26,6 +26,10 @@ GENERATION_KEY = "prefixrag_generation"  # collection metadata: renewed by every
 # service does not answer from a collection half-written by its first ingest (no key: made before this existed).
 FIRST_RUN_KEY = "prefixrag_first_run"
 FIRST_RUN_RUNNING = "\0first ingest running"  # read_generation's answer meanwhile
+# A generation stamped before an ingest run's first write into an on-disk store starts with this, and the run's
+# end stamps one without it: services drop what they read of the rows at the first, reload at the second.
+WRITING = "writing:"
+LOCK_FILE = ".prefixrag-ingest.lock"
 
 
 class StoreError(Exception):
@@ -114,13 +118,16 @@ def new_generation() -> str:
     return uuid.uuid4().hex
 
 
-def mark_changed(collection: Collection, run_ended: bool = False, generation: str | None = None) -> None:
+def mark_changed(collection: Collection, run_ended: bool = False, generation: str | None = None,
+                 writing: bool = False) -> None:
     """Renew the collection's generation stamp (under the write lock): services drop what they cached of it.
     ``run_ended``: an ingest run finished, the collection's first included; ``generation``: the new stamp, where
-    the writer has already saved the derived indexes under it (else a new one)."""
+    the writer has already saved the derived indexes under it (else a new one); ``writing``: a run starts
+    writing and will stamp again when it ends (``WRITING``; on-disk stores only, whose lock tells a service
+    whether the writer is still alive)."""
     ended = {FIRST_RUN_KEY: "done"} if run_ended else {}
-    collection.modify(metadata={**(collection.metadata or {}), GENERATION_KEY: generation or new_generation(),
-                                **ended})
+    stamp = (WRITING if writing else "") + (generation or new_generation())
+    collection.modify(metadata={**(collection.metadata or {}), GENERATION_KEY: stamp, **ended})
 
 
 def first_run_running(collection: Collection) -> bool:
@@ -148,6 +155,22 @@ def forget_clients() -> None:
     SharedSystemClient.clear_system_cache()
 
 
+def being_written(generation: str | None, cfg: ChromaSettings) -> bool:
+    """Is this the stamp of a run still writing (``WRITING``, its writer holding the lock)? A stamp left by a
+    writer that died mid-run is not: what it wrote is what there is."""
+    if generation is None or not generation.startswith(WRITING) or cfg.url:
+        return False
+    from filelock import FileLock, Timeout
+
+    probe = FileLock(str(Path(cfg.path) / LOCK_FILE))
+    try:
+        probe.acquire(timeout=0)
+    except Timeout:
+        return True
+    probe.release()
+    return False
+
+
 def all_rows(collection: Collection, include: list[str], where: dict[str, Any] | None = None,
              size: int = PAGE) -> Iterator[dict[str, Any]]:
     """Every row of the collection (or those matching ``where``), ``size`` rows per read: memory stays flat on
@@ -170,7 +193,7 @@ def write_lock(cfg: ChromaSettings, timeout_s: float) -> Iterator[None]:
     from filelock import FileLock, Timeout
 
     cfg.path.mkdir(parents=True, exist_ok=True)
-    lock = FileLock(str(Path(cfg.path) / ".prefixrag-ingest.lock"))
+    lock = FileLock(str(Path(cfg.path) / LOCK_FILE))
     try:
         lock.acquire(timeout=timeout_s)
     except Timeout:

@@ -12,7 +12,8 @@ when it is the only one free, up to ``BATCH``) and encodes them in one pass: a b
 workers first, since a batch's first question waits for its last one's encoding. After an ingest (the epoch a
 question carries says so), a worker drops the chunk rows it read and opens the changed collection and its indexes
 on a thread of its own, answering from what it had open until they are loaded: a reload never makes a question
-wait for Chroma's reopening or BM25's loading (a chunk deleted meanwhile is left out: its row is read afresh). A
+wait for Chroma's reopening or BM25's loading (a chunk deleted meanwhile is left out: its row is read afresh).
+While an ingest run is still writing, a worker only drops the rows it read (the question's second count). A
 worker that dies is started again and primed before it takes a question; its questions in flight fail with a 503."""
 
 from __future__ import annotations
@@ -80,6 +81,7 @@ class RetrievalPool:
         """``stages``: where each question's time goes (``prefixrag_retrieval_stage_seconds``)."""
         self.config, self.workers, self.stages = config, workers, stages
         self.epoch = 0  # bumped when an ingest changed the collection; every question carries it
+        self.rows = 0  # bumped when an ingest run starts writing (rows read before are dropped); carried too
         self._channels: list[Channel] = []
         self._asked: asyncio.Queue[_Asked] = asyncio.Queue()
         self._feeders: list[asyncio.Task[None]] = []
@@ -95,10 +97,13 @@ class RetrievalPool:
         """At start-up (and when the collection first exists): every worker loads its encoder and indexes
         before the service reports ready. After a reload, workers reload at their next question."""
         self._start()
-        await asyncio.gather(*(_prime(channel, self.epoch) for channel in self._channels if not channel.primed))
+        await asyncio.gather(*(_prime(channel, self._epochs()) for channel in self._channels if not channel.primed))
 
     async def collection_changed(self, rewarm: bool) -> None:
         self.epoch += 1
+
+    def rows_changing(self) -> None:
+        self.rows += 1
 
     async def aclose(self) -> None:
         for feeder in self._feeders:
@@ -123,7 +128,7 @@ class RetrievalPool:
                 await self._channels[slot].aclose()
                 log.error("retrieval worker %d died: starting a new one", slot)
                 self._channels[slot] = Channel.spawn(_serve, self.config)
-                await _prime_logged(self._channels[slot], self.epoch)
+                await _prime_logged(self._channels[slot], self._epochs())
             batch = await self._share()
             batch = [asked for asked in batch if not asked.ranking.done()]  # a client that gave up
             if batch:
@@ -146,7 +151,7 @@ class RetrievalPool:
         questions = [(asked.question, asked.k, asked.source_prefix) for asked in batch]
         sent = time.perf_counter()
         try:
-            ranked: Ranked = await channel.exchange(("rank", self.epoch, questions))
+            ranked: Ranked = await channel.exchange(("rank", self._epochs(), questions))
             outcomes = ranked.outcomes
             self._observe(batch, sent, ranked)
         except ChannelClosed:
@@ -164,6 +169,9 @@ class RetrievalPool:
             else:
                 asked.ranking.set_result(outcome)
 
+    def _epochs(self) -> tuple[int, int]:
+        return self.epoch, self.rows
+
     def _observe(self, batch: list[_Asked], sent: float, ranked: Ranked) -> None:
         if self.stages is None:
             return
@@ -175,7 +183,7 @@ class RetrievalPool:
             self.stages.labels("search").observe(ranked.search_s)
 
 
-async def _prime(channel: Channel, epoch: int) -> None:
+async def _prime(channel: Channel, epoch: tuple[int, int]) -> None:
     try:
         outcome = await channel.exchange(("prime", epoch, None))
     except ChannelClosed as exc:
@@ -185,7 +193,7 @@ async def _prime(channel: Channel, epoch: int) -> None:
     channel.primed = True
 
 
-async def _prime_logged(channel: Channel, epoch: int) -> None:
+async def _prime_logged(channel: Channel, epoch: tuple[int, int]) -> None:
     try:
         await _prime(channel, epoch)
     except ServiceError as exc:  # it ranks anyway, loading at its first question
@@ -203,7 +211,7 @@ class _Worker:
 
         limit_threads(config.embedding.query_threads)
         self.embedder = Embedder(config.embedding, questions=True).load()
-        self.config, self.epoch = config, 0
+        self.config, self.epoch, self.rows = config, 0, 0
         self.index, self.retriever = self._opened()
 
     def _opened(self) -> tuple[CollectionIndex, Retriever]:
@@ -216,7 +224,10 @@ class _Worker:
         return index, Retriever(index, self.embedder, config.retrieval)
 
     def answer(self, message: Message) -> object:
-        kind, epoch, questions = message
+        kind, (epoch, rows), questions = message
+        if rows != self.rows:  # an ingest run started writing: rows are read afresh
+            self.rows = rows
+            self.index.forget_rows()
         if kind == "prime":
             if epoch != self.epoch:
                 self.index.reopen()

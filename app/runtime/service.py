@@ -33,6 +33,7 @@ class Service:
         self.warmer, self.watcher, self.metrics = warmer, watcher, metrics
         self.max_retrievals, self._retrievals = max_retrievals, 0
         watcher.subscribe(self.collection_changed)
+        watcher.subscribe_writing(self.rows_changing)
 
     def readiness(self) -> Readiness:
         """Can it answer now? vLLM's status, not ready while the collection is missing or unreadable; pre-warm's
@@ -95,6 +96,12 @@ class Service:
         self.metrics.collection_reloads.inc()
         if rewarm:  # in the background; a deleted collection has nothing to warm
             self.warmer.restart()
+
+    def rows_changing(self) -> None:
+        """An ingest run started writing: nothing read of the rows before is used again; the store's handles, the
+        search indexes and the warm set stay until the run ends (then ``collection_changed``)."""
+        self.pipeline.index.forget_rows()
+        self.forget_arranged()
 
     def forget_arranged(self) -> None:
         """Nothing retrieved, arranged or read of the collection before is used again (a document was

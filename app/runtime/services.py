@@ -163,6 +163,7 @@ def assemble(clients: Clients, settings: Settings, metrics: ServiceMetrics) -> S
     watcher = CollectionWatcher(clients.index, clients.ranker)
     if isinstance(clients.ranker, RetrievalPool):
         watcher.subscribe(clients.ranker.collection_changed)
+        watcher.subscribe_writing(clients.ranker.rows_changing)
     service = Service(pipeline, planner, traffic, clients.upstream, warmer, watcher, metrics,
                       settings.traffic.max_retrievals)
     documents = Documents(settings, clients.index, watcher.check_now, service.forget_arranged)

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from multiprocessing.process import BaseProcess
 from typing import Any
 
-Message = tuple[str, int, Any]  # (kind, the collection's epoch, the payload)
+Message = tuple[str, tuple[int, int], Any]  # (kind, the epochs: reloads and runs started writing; payload)
 HEADER = struct.Struct("!I")  # a message's length in bytes
 STOP_S = 10.0  # a worker still alive this long after its channel closed is terminated
 

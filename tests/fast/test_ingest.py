@@ -90,8 +90,8 @@ def test_a_runs_indexes_are_saved_under_its_final_stamp_before_services_can_see_
     seen_at_stamp = []
     real = pipeline.mark_changed
 
-    def stamped(collection, run_ended=False, generation=None):
-        real(collection, run_ended=run_ended, **({"generation": generation} if generation else {}))
+    def stamped(collection, run_ended=False, generation=None, writing=False):
+        real(collection, run_ended=run_ended, writing=writing, **({"generation": generation} if generation else {}))
         if run_ended:
             stamp = (collection.metadata["prefixrag_generation"], collection.count())
             seen_at_stamp.append((stamp, lexical.load(lexical.index_dir(settings.chroma)).stamp,
