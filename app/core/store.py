@@ -160,9 +160,9 @@ def being_written(generation: str | None, cfg: ChromaSettings) -> bool:
     writer that died mid-run is not: what it wrote is what there is."""
     if generation is None or not generation.startswith(WRITING) or cfg.url:
         return False
-    from filelock import FileLock, Timeout
+    from filelock import Timeout
 
-    probe = FileLock(str(Path(cfg.path) / LOCK_FILE))
+    probe = _writers_lock(cfg)
     try:
         probe.acquire(timeout=0)
     except Timeout:
@@ -184,16 +184,23 @@ def all_rows(collection: Collection, include: list[str], where: dict[str, Any] |
         offset += size
 
 
+def _writers_lock(cfg: ChromaSettings) -> Any:
+    """The on-disk store's writers' lock (a file beside it): held by ``write_lock``, probed by ``being_written``."""
+    from filelock import FileLock
+
+    return FileLock(str(Path(cfg.path) / LOCK_FILE))
+
+
 @contextmanager
 def write_lock(cfg: ChromaSettings, timeout_s: float) -> Iterator[None]:
     """Serialise writers of an on-disk collection; a Chroma server serialises writes itself."""
     if cfg.url:
         yield
         return
-    from filelock import FileLock, Timeout
+    from filelock import Timeout
 
     cfg.path.mkdir(parents=True, exist_ok=True)
-    lock = FileLock(str(Path(cfg.path) / LOCK_FILE))
+    lock = _writers_lock(cfg)
     try:
         lock.acquire(timeout=timeout_s)
     except Timeout:
