@@ -1,5 +1,5 @@
 """What the real vLLM test server is doing, read from its own /metrics: requests running or waiting, prompt tokens
-prefilled, requests finished; and a bounded wait for a condition."""
+prefilled, tokens generated; and a bounded wait for a condition."""
 
 from __future__ import annotations
 
@@ -23,9 +23,9 @@ def running(vllm_url: str) -> float:
 
 
 def vllm_counters(vllm_url: str) -> tuple[float, float]:
-    """(prompt tokens prefilled, requests finished) so far."""
+    """(prompt tokens prefilled, tokens generated) so far."""
     text = vllm_metrics(vllm_url)
-    return metric_total(text, "vllm:prompt_tokens_total"), metric_total(text, "vllm:request_success_total")
+    return metric_total(text, "vllm:prompt_tokens_total"), metric_total(text, "vllm:generation_tokens_total")
 
 
 def wait_until(predicate, timeout: float, what: str) -> float:

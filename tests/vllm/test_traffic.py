@@ -112,11 +112,12 @@ def test_a_client_that_leaves_aborts_its_vllm_request(collections, vllm_url, emb
         else:  # the client gives up waiting for a long answer
             with pytest.raises(httpx.ReadTimeout):
                 httpx.post(server.url + "/ask", json=body, timeout=httpx.Timeout(30, read=3))
-        # Bounded well inside LONG's decode time; the success counter below tells an abort from a finished answer.
+        # Bounded well inside LONG's decode time; the tokens generated tell an abort from a finished answer (a count
+        # of finished requests could not: pre-warm's one-token requests may finish meanwhile).
         wait_until(lambda: running(vllm_url) == 0, 20, "vLLM aborting the abandoned request")
         after = vllm_counters(vllm_url)
         assert after[0] > before[0], "the request reached vLLM (its prompt was prefilled)"
-        assert after[1] == before[1], "and was aborted, not decoded to its end"
+        assert after[1] - before[1] < LONG, "and was aborted, not decoded to its end"
         status = httpx.get(server.url + "/readyz", timeout=PROBE_TIMEOUT).json()
         assert status["traffic"]["present"] == 0  # and its slot is free
 
