@@ -45,9 +45,13 @@ class TokenEstimator:
             self.chars_per_token = min(ratio, self.chars_per_token or ratio)
 
     def estimate(self, messages: list[dict[str, Any]]) -> int | None:
+        return self.estimate_chars(prompt_chars(messages))
+
+    def estimate_chars(self, chars: int) -> int | None:
+        """Tokens of a prompt of ``chars`` characters (None: not calibrated yet)."""
         if self.chars_per_token is None:
             return None
-        return int(prompt_chars(messages) / self.chars_per_token * (1 + self.margin)) + self.slack_tokens
+        return int(chars / self.chars_per_token * (1 + self.margin)) + self.slack_tokens
 
 
 class Tokenizer(Protocol):

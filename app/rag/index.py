@@ -11,7 +11,7 @@ import contextvars
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
@@ -202,15 +202,20 @@ class CollectionIndex:
         """All chunks matching a metadata filter (a parent document, or the whole collection), off the loop, a
         page per call (background work pauses for users between pages); ``texts=False`` reads metadata only
         (their ``text`` is then empty)."""
+        chunks: list[ContextChunk] = []
+        async for page in self.chunk_pages(where, texts):
+            chunks += page
+        return chunks
+
+    async def chunk_pages(self, where: dict[str, Any] | None, texts: bool = True,
+                          size: int = PAGE) -> AsyncGenerator[list[ContextChunk], None]:
+        """``chunks_where``'s chunks, ``size`` rows per read, a page at a time (a reader may stop early). Rows
+        become chunks on the reading thread: a big document read (thousands of rows) never stalls the loop."""
         include = ["documents", "metadatas"] if texts else ["metadatas"]
         with chroma_errors("read"):
-            rows = all_rows(self.collection, include, where, PAGE)
-            chunks: list[ContextChunk] = []
-            while (page := await self.run(next, rows, None)) is not None:
-                documents = page["documents"] if texts else [""] * len(page["ids"])
-                chunks += [to_chunk(i, text, meta, retrieved=False)
-                           for i, text, meta in zip(page["ids"], documents, page["metadatas"])]
-            return self.visible(chunks)
+            rows = all_rows(self.collection, include, where, size)
+            while (page := await self.run(_next_chunks, rows, texts)) is not None:
+                yield self.visible(page)
 
     def chunks(self, ids: list[str], scores: list[float],
                rows: dict[str, tuple[str, dict[str, Any]]] | None = None) -> list[ContextChunk]:
@@ -268,6 +273,16 @@ def chroma_errors(action: str) -> Iterator[None]:
         raise
     except Exception as exc:
         raise StoreUnavailable(f"Chroma {action} failed: {exc}") from exc
+
+
+def _next_chunks(rows: Iterator[dict[str, Any]], texts: bool) -> list[ContextChunk] | None:
+    """The next page of ``rows`` as chunks (None: no more); ``texts=False``: their text left empty."""
+    page = next(rows, None)
+    if page is None:
+        return None
+    documents = page["documents"] if texts else [""] * len(page["ids"])
+    return [to_chunk(i, text, meta, retrieved=False)
+            for i, text, meta in zip(page["ids"], documents, page["metadatas"], strict=True)]
 
 
 def to_chunk(chunk_id: str, text: str, meta: dict[str, Any], score: float = 0.0, rank: int = 0,

@@ -30,7 +30,9 @@ NEAR_LIMIT = 2.0  # an estimate within this factor of the limit is counted exact
 @dataclass
 class CorpusVerdict:
     chunks: int
-    estimate: int | None = None  # tokens, from characters (None: not read, the count alone ruled it out)
+    estimate: int | None = None  # tokens, from characters (None: not read, the count alone ruled it out; of the
+    # rows read where reading stopped early: the corpus has more)
+    read: int = 0  # rows read to decide (fewer than ``chunks`` when those already could not fit)
     tokens: int | None = None  # counted exactly (only when the estimate came near the limit)
     fits: bool = False
 
@@ -123,21 +125,28 @@ class ContextPlanner:
         limit = min(room, self.units.max_unit_tokens) if self.settings.strategy == "auto" else room
         verdict = CorpusVerdict(chunks=await self.index.count())
         if verdict.chunks * MIN_CHUNK_TOKENS <= limit:  # else it cannot fit: no chunk renders under that
-            chunks = await self.corpus.load()
-            messages = self.builder.messages(chunks, "")
-            verdict.estimate = self.estimator.estimate(messages) or int(prompt_chars(messages) / CHARS_PER_TOKEN)
-            if verdict.estimate <= NEAR_LIMIT * limit:
-                verdict.tokens = len(await self.llm.tokenize(messages))
-                verdict.fits = verdict.tokens <= limit
+            # Read until the text read alone is too large (the rendered prompt only adds to it), else whole.
+            chunks = await self.corpus.load(lambda chars: self._estimate(chars) > NEAR_LIMIT * limit)
+            verdict.read, verdict.estimate = self.corpus.read, self._estimate(self.corpus.read_chars)
+            if chunks is not None:
+                messages = self.builder.messages(chunks, "")
+                verdict.estimate = self._estimate(prompt_chars(messages))
+                if verdict.estimate <= NEAR_LIMIT * limit:
+                    verdict.tokens = len(await self.llm.tokenize(messages))
+                    verdict.fits = verdict.tokens <= limit
         self.corpus.fits, self.corpus.tokens = verdict.fits, verdict.tokens or 0
         if self.settings.strategy == "auto":
             # Every request attends over its whole prompt, cached or not: the corpus is worth it only while it
             # is no bigger than a unit may be. A long-window model must not turn every prompt into 60K tokens.
             self.active = self.corpus if verdict.fits else self.strategies["document"]
-        log.info("corpus: %d chunks, %s tokens (estimate %s); limit %d: %s; strategy=%s", verdict.chunks,
-                 verdict.tokens, verdict.estimate, limit, "fits" if verdict.fits else "too large for corpus mode",
-                 self.active.name)
+        log.info("corpus: %d chunks (%d read), %s tokens (estimate %s); limit %d: %s; strategy=%s", verdict.chunks,
+                 verdict.read, verdict.tokens, verdict.estimate, limit,
+                 "fits" if verdict.fits else "too large for corpus mode", self.active.name)
         return verdict
+
+    def _estimate(self, chars: int) -> int:
+        """Tokens of a prompt of ``chars`` characters: pessimistic once calibrated, else a typical ratio."""
+        return self.estimator.estimate_chars(chars) or int(chars / CHARS_PER_TOKEN)
 
     async def warm_plan(self, info: UpstreamInfo, piece_tokens: int) -> WarmPlan:
         """Decide (``prepare``), then plan: the corpus when it is the context, else every unit, hottest first;

@@ -13,7 +13,9 @@ a prefix vLLM already holds. Each is a setting (PREFIXRAG_CONTEXT__STRATEGY) and
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Protocol
 
@@ -24,6 +26,7 @@ from app.rag.units import Hotness, Placements, UnitIndex, estimate_tokens
 
 log = logging.getLogger("prefixrag.strategies")
 QUESTION_HEADROOM_TOKENS = 256  # room kept for the question when deciding whether the corpus fits
+LOAD_PAGE = 128  # rows per read while the corpus is read to decide whether it fits (it stops once it cannot)
 
 
 class ContextStrategy(Protocol):
@@ -160,6 +163,7 @@ class Corpus(Canonical):
         self.chunks: list[ContextChunk] | None = None
         self.fits = False
         self.tokens = 0  # the corpus prompt's size (system + all chunks), measured at warm-up
+        self.read = self.read_chars = 0  # rows, and characters of text, the last ``load`` read
         self.placements = Placements(1)  # the corpus at its one rank, made once
 
     def forget(self) -> None:
@@ -167,10 +171,19 @@ class Corpus(Canonical):
         self.chunks, self.fits, self.tokens = None, False, 0
         self.placements.clear()
 
-    async def load(self) -> list[ContextChunk]:
-        # Parent by parent, each in natural order and rendered as one unit (one header per parent document).
-        chunks = sorted(await self.index.chunks_where(None),
-                        key=lambda c: (c.parent, c.parent_pos, c.doc_id, c.chunk_index))
+    async def load(self, too_large: Callable[[int], bool] = lambda chars: False) -> list[ContextChunk] | None:
+        """Every chunk, parent by parent, each in natural order and rendered as one unit (one header per parent
+        document); None as soon as ``too_large(characters of text read so far)``: a corpus that cannot fit is
+        never read whole (that read would grow with the collection). ``read``, ``read_chars``: what it read."""
+        chunks: list[ContextChunk] = []
+        self.read = self.read_chars = 0
+        async with contextlib.aclosing(self.index.chunk_pages(None, size=LOAD_PAGE)) as pages:
+            async for page in pages:
+                chunks += page
+                self.read, self.read_chars = len(chunks), self.read_chars + sum(len(c.text) for c in page)
+                if too_large(self.read_chars):
+                    return None
+        chunks.sort(key=lambda c: (c.parent, c.parent_pos, c.doc_id, c.chunk_index))
         self.chunks = [replace(c, unit=c.parent, retrieved=False) for c in chunks]
         return self.chunks
 

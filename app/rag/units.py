@@ -18,7 +18,7 @@ from typing import NamedTuple
 
 from app.core.pages import CHARS_PER_TOKEN
 from app.rag.context import ContextChunk
-from app.rag.index import CollectionIndex
+from app.rag.index import BACKGROUND, CollectionIndex
 from app.rag.lru import AsyncLRU
 
 log = logging.getLogger("prefixrag.units")
@@ -27,6 +27,10 @@ UNKNOWN_WINDOW_UNIT_TOKENS = 4096  # until the served window is known (ContextPl
 
 def natural_order(chunks: list[ContextChunk]) -> list[ContextChunk]:
     return sorted(chunks, key=lambda c: (c.parent_pos, c.doc_id, c.chunk_index))
+
+
+def in_background() -> bool:
+    return BACKGROUND.get() is not None
 
 
 def estimate_tokens(chunks: list[ContextChunk]) -> int:
@@ -40,9 +44,11 @@ class UnitIndex:
         """``max_unit_tokens``: the configured cap (None: the served window's room alone, ``limit_to``)."""
         self.index, self.configured_max = index, max_unit_tokens or sys.maxsize
         self.max_unit_tokens = max_unit_tokens or UNKNOWN_WINDOW_UNIT_TOKENS
-        self._parents: AsyncLRU[list[ContextChunk]] = AsyncLRU(cache_size)
-        self._tagged: AsyncLRU[tuple[str, list[ContextChunk]]] = AsyncLRU(cache_size)  # a hit's unit, tagged
-        self._units: AsyncLRU[list[ContextChunk]] = AsyncLRU(cache_size)  # a unit's chunks, tagged: once per unit
+        # Parents, a hit's unit (tagged), a unit's chunks (tagged: once per unit). Pre-warm's reads yield to users,
+        # so a question never waits on a load pre-warm started: each has its own lane.
+        self._parents: AsyncLRU[list[ContextChunk]] = AsyncLRU(cache_size, lane=in_background)
+        self._tagged: AsyncLRU[tuple[str, list[ContextChunk]]] = AsyncLRU(cache_size, lane=in_background)
+        self._units: AsyncLRU[list[ContextChunk]] = AsyncLRU(cache_size, lane=in_background)
         self.placements = Placements(4 * cache_size)
 
     def limit_to(self, tokens: int) -> None:

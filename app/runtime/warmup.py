@@ -42,6 +42,7 @@ class WarmupProgress:
     token_budget: int = 0
     seconds: float = 0.0
     corpus_chunks: int | None = None
+    corpus_read: int | None = None  # chunks read to decide whether the corpus fits (fewer: it could not)
     corpus_tokens: int | None = None  # counted only when the estimate came near the window
     corpus_fits: bool | None = None
 
@@ -116,7 +117,7 @@ class Warmer:
             if plan.verdict is not None:
                 verdict = plan.verdict
                 self.progress.corpus_chunks, self.progress.corpus_tokens = verdict.chunks, verdict.tokens
-                self.progress.corpus_fits = verdict.fits
+                self.progress.corpus_read, self.progress.corpus_fits = verdict.read, verdict.fits
             self.progress.prefix_tokens = await self._send(plan.prefix, affinity_key([]))
             await self._warm_units(plan)
             if self.progress.state == "warming":

@@ -1,0 +1,133 @@
+"""Reads that would repeat across requests or grow with the collection: one load of a value that several callers
+need at once (``AsyncLRU``), never shared between users and pre-warm; questions about one big document right after
+the service forgot it read it once; deciding whether the corpus fits stops reading once it cannot."""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from app.rag import strategies
+from app.rag.index import CollectionIndex
+from app.rag.lru import AsyncLRU
+from app.rag.units import UnitIndex
+from app.serve.app import create_app
+from tests.support.corpora import app_settings
+from tests.support.fakes import FakeVLLM
+from tests.support.servers import AppServer
+
+LANE: contextvars.ContextVar[str] = contextvars.ContextVar("lane", default="user")
+
+
+class Loads:
+    """A loader that counts its calls and finishes when told."""
+
+    def __init__(self) -> None:
+        self.calls, self.release = 0, asyncio.Event()
+
+    async def __call__(self) -> str:
+        self.calls += 1
+        await self.release.wait()
+        return f"value {self.calls}"
+
+
+async def started(*coroutines):
+    tasks = [asyncio.ensure_future(c) for c in coroutines]
+    await asyncio.sleep(0.01)  # each has asked
+    return tasks
+
+
+def test_callers_of_one_key_at_once_share_one_load_and_one_cancelled_leaves_it_to_the_others():
+    async def scenario():
+        cache, load = AsyncLRU[str](4), Loads()
+        first, second, third = await started(cache.get("a", load), cache.get("a", load), cache.get("a", load))
+        first.cancel()
+        load.release.set()
+        assert await second == await third == "value 1" and load.calls == 1
+        assert await cache.get("a", load) == "value 1" and load.calls == 1  # kept
+        with pytest.raises(asyncio.CancelledError):
+            await first
+
+    asyncio.run(scenario())
+
+
+def test_a_load_is_not_shared_across_lanes_nor_after_a_clear_and_its_error_reaches_every_caller():
+    async def scenario():
+        cache, load = AsyncLRU[str](4, lane=LANE.get), Loads()
+        user = asyncio.ensure_future(cache.get("a", load))
+        background = asyncio.get_running_loop().create_task(cache.get("a", load), context=background_context())
+        await asyncio.sleep(0.01)
+        assert load.calls == 2  # pre-warm's load (which may wait for users to go) is not a user's to wait on
+        cache.clear()
+        after = asyncio.ensure_future(cache.get("a", load))
+        await asyncio.sleep(0.01)
+        assert load.calls == 3  # what was loading when the collection changed may predate the change
+        load.release.set()
+        await asyncio.gather(user, background, after)
+        assert await cache.get("a", load) == "value 3"  # the load started after the clear is the one kept
+
+        async def failing() -> str:
+            await asyncio.sleep(0.01)
+            raise ValueError("unreadable")
+
+        outcomes = await asyncio.gather(cache.get("b", failing), cache.get("b", failing), return_exceptions=True)
+        assert [type(o) for o in outcomes] == [ValueError, ValueError]
+        assert await cache.get("b", released()) == "value 1"  # not kept: tried again
+
+    asyncio.run(scenario())
+
+
+def background_context() -> contextvars.Context:
+    context = contextvars.copy_context()
+    context.run(LANE.set, "background")
+    return context
+
+
+def released() -> Loads:
+    load = Loads()
+    load.release.set()
+    return load
+
+
+def test_questions_needing_one_big_document_at_once_read_it_once(notes, embedder, monkeypatch):
+    chroma, texts, _ = notes
+    settings = app_settings(chroma, "http://unused/v1", collection="notes")
+    reads: list[object] = []
+    original = CollectionIndex.chunks_where
+
+    async def counted(self, where, texts=True):
+        reads.append(where)
+        return await original(self, where, texts)
+
+    monkeypatch.setattr(CollectionIndex, "chunks_where", counted)
+
+    async def scenario():
+        index = CollectionIndex(embedder, settings.chroma, ThreadPoolExecutor(4))
+        units = UnitIndex(index, max_unit_tokens=None)
+        hit = (await index.chunks_where(None))[0]
+        reads.clear()
+        found = await asyncio.gather(*(units.unit_for(hit, paged=False) for _ in range(8)))
+        assert len({tuple(c.id for c in chunks) for _, chunks in found}) == 1
+        assert reads == [{"parent_id": hit.parent}]  # one read for the eight
+
+    asyncio.run(scenario())
+
+
+def test_deciding_whether_the_corpus_fits_stops_reading_once_it_cannot(notes, embedder, monkeypatch):
+    """A corpus too large for the window is not read whole (that read would grow with the collection); one that
+    fits is read whole and counted exactly."""
+    chroma, texts, _ = notes
+    monkeypatch.setattr(strategies, "LOAD_PAGE", 8)  # the notes are 35 short paragraphs: pages of a few
+    verdicts = {}
+    for window in (2048, 32768):
+        settings = app_settings(chroma, "http://unused/v1", collection="notes", strategy="auto", hotness_dir=None)
+        with AppServer(create_app(settings, embedder=embedder, llm=FakeVLLM(max_model_len=window))) as server:
+            verdicts[window] = server.wait_warmed(done=True)["warmup"]
+    small, large = verdicts[2048], verdicts[32768]
+    assert small["corpus_chunks"] == large["corpus_chunks"] == len(texts)
+    assert small["corpus_fits"] is False and small["corpus_tokens"] is None
+    assert 8 <= small["corpus_read"] < len(texts)  # stopped once the text read could not fit twice over
+    assert large["corpus_fits"] is True and large["corpus_read"] == len(texts) and large["corpus_tokens"] > 0
