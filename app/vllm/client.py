@@ -12,8 +12,10 @@ import aiohttp
 import httpx
 import openai
 import orjson
+from aiohttp.helpers import get_env_proxy_for_url
 from asgi_correlation_id import correlation_id
 from openai import AsyncOpenAI, DefaultAsyncHttpxClient
+from yarl import URL
 
 from app.core.errors import BadRequest
 from app.core.settings import VLLMSettings
@@ -57,6 +59,15 @@ class Capture:
         os.close(self.fd)
 
 
+def env_proxy(url: str) -> tuple[URL | None, aiohttp.BasicAuth | None]:
+    """The proxy the environment names for ``url`` (``HTTP_PROXY``, ``NO_PROXY``, ...), with its credentials;
+    (None, None) for none."""
+    try:
+        return get_env_proxy_for_url(URL(url))
+    except LookupError:
+        return None, None
+
+
 class LLMClient:
     """vLLM's API for the service. Answers stream through aiohttp: its connector hands out a pooled connection
     in constant time, where httpx's pool walks (and polls) every connection on each request and each release, which
@@ -94,8 +105,11 @@ class LLMClient:
             timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.settings.timeout_s,
                                             sock_read=self.settings.timeout_s)
             connector = aiohttp.TCPConnector(limit=POOL.max_connections or 0, keepalive_timeout=POOL.keepalive_expiry)
+            # The environment's proxy for vLLM (as httpx would use), read once: with ``trust_env`` aiohttp reads the
+            # environment and ~/.netrc again for every request, on a thread of the loop's default pool.
+            proxy, proxy_auth = env_proxy(self.root)
             self._answers = aiohttp.ClientSession(headers=self.auth, timeout=timeout, connector=connector,
-                                                  trust_env=True)  # proxies from the environment, as httpx
+                                                  proxy=proxy, proxy_auth=proxy_auth)
         return self._answers
 
     def chat_request(self, messages: list[dict[str, Any]], *, max_tokens: int, temperature: float, prefix_key: str,

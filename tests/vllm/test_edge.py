@@ -259,6 +259,32 @@ async def test_streamed_answers_one_after_another_reuse_one_connection_to_vllm(v
         proxy.down()
 
 
+async def test_answers_go_through_the_environments_proxy_read_once(vllm_url, monkeypatch):
+    """With ``HTTP_PROXY`` set, answers stream through it (as httpx's calls go), to a vLLM host only the proxy
+    reaches; the environment is read when the session is made, not for every answer (aiohttp's ``trust_env`` reads
+    it and ~/.netrc again per request, on the loop's default thread pool)."""
+    import aiohttp.helpers
+
+    proxy, proxied = proxy_in_front_of(vllm_url)  # a TCP relay to vLLM, which takes absolute-form requests
+    monkeypatch.setenv("HTTP_PROXY", proxied.removesuffix("/v1"))
+    monkeypatch.delenv("NO_PROXY", raising=False)
+    monkeypatch.delenv("no_proxy", raising=False)
+    reads, read = [], aiohttp.helpers.proxies_from_env
+    monkeypatch.setattr(aiohttp.helpers, "proxies_from_env", lambda: reads.append(1) or read())
+    port = vllm_url.rsplit(":", 1)[1].split("/")[0]
+    llm = LLMClient(VLLMSettings(url=f"http://vllm.invalid:{port}/v1"))  # resolvable by no one but the proxy
+    try:
+        llm.use_model((await llm.list_models())[0]["id"])
+        opened = proxy.accepted
+        for question in ("What do anchors do?", "Why do tides rise?", "Where does a compass point?"):
+            await answer(llm, question)
+        assert proxy.accepted > opened, "the answers went through the proxy"
+        assert len(reads) == 1, "the environment read once, when the session was made"
+    finally:
+        await llm.aclose()
+        proxy.down()
+
+
 async def answer(llm: LLMClient, question: str) -> None:
     """One streamed answer of a few tokens, read to its end."""
     request = llm.chat_request([{"role": "user", "content": question}], max_tokens=4, temperature=0,
