@@ -266,9 +266,10 @@ async def test_answers_go_through_the_environments_proxy_read_once(vllm_url, mon
     import aiohttp.helpers
 
     proxy, proxied = proxy_in_front_of(vllm_url)  # a TCP relay to vLLM, which takes absolute-form requests
-    monkeypatch.setenv("HTTP_PROXY", proxied.removesuffix("/v1"))
-    monkeypatch.delenv("NO_PROXY", raising=False)
-    monkeypatch.delenv("no_proxy", raising=False)
+    for name in ("HTTP_PROXY", "http_proxy"):  # the lowercase one wins where both are set
+        monkeypatch.setenv(name, proxied.removesuffix("/v1"))
+    for name in ("NO_PROXY", "no_proxy"):
+        monkeypatch.delenv(name, raising=False)
     reads, read = [], aiohttp.helpers.proxies_from_env
     monkeypatch.setattr(aiohttp.helpers, "proxies_from_env", lambda: reads.append(1) or read())
     port = vllm_url.rsplit(":", 1)[1].split("/")[0]
