@@ -126,10 +126,12 @@ class ContextPlanner:
         verdict = CorpusVerdict(chunks=await self.index.count())
         if verdict.chunks * MIN_CHUNK_TOKENS <= limit:  # else it cannot fit: no chunk renders under that
             # Read until the text read alone is too large (the rendered prompt only adds to it), else whole.
-            chunks = await self.corpus.load(lambda chars: self._estimate(chars) > NEAR_LIMIT * limit)
-            verdict.read, verdict.estimate = self.corpus.read, self._estimate(self.corpus.read_chars)
-            if chunks is not None:
-                messages = self.builder.messages(chunks, "")
+            read = await self.corpus.load(lambda chars: self._estimate(chars) > NEAR_LIMIT * limit)
+            verdict.read = read.rows
+            if read.chunks is None:
+                verdict.estimate = self._estimate(read.chars)  # of the rows read: the corpus has more
+            else:
+                messages = self.builder.messages(read.chunks, "")
                 verdict.estimate = self._estimate(prompt_chars(messages))
                 if verdict.estimate <= NEAR_LIMIT * limit:
                     verdict.tokens = len(await self.llm.tokenize(messages))

@@ -17,7 +17,7 @@ import contextlib
 import logging
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from app.rag.context import ContextChunk, canonical
 from app.rag.index import CollectionIndex
@@ -153,6 +153,15 @@ class Reuse(Canonical):
         self.trie.insert([c.id for c in kept])
 
 
+class CorpusRead(NamedTuple):
+    """What ``Corpus.load`` read: the corpus's chunks (None: it stopped, they could not fit), rows and
+    characters of text read."""
+
+    chunks: list[ContextChunk] | None
+    rows: int
+    chars: int
+
+
 class Corpus(Canonical):
     """Every request gets the same context: the whole collection. ``fits`` is decided at warm-up."""
 
@@ -163,7 +172,6 @@ class Corpus(Canonical):
         self.chunks: list[ContextChunk] | None = None
         self.fits = False
         self.tokens = 0  # the corpus prompt's size (system + all chunks), measured at warm-up
-        self.read = self.read_chars = 0  # rows, and characters of text, the last ``load`` read
         self.placements = Placements(1)  # the corpus at its one rank, made once
 
     def forget(self) -> None:
@@ -171,21 +179,21 @@ class Corpus(Canonical):
         self.chunks, self.fits, self.tokens = None, False, 0
         self.placements.clear()
 
-    async def load(self, too_large: Callable[[int], bool] = lambda chars: False) -> list[ContextChunk] | None:
+    async def load(self, too_large: Callable[[int], bool] = lambda chars: False) -> CorpusRead:
         """Every chunk, parent by parent, each in natural order and rendered as one unit (one header per parent
-        document); None as soon as ``too_large(characters of text read so far)``: a corpus that cannot fit is
-        never read whole (that read would grow with the collection). ``read``, ``read_chars``: what it read."""
+        document); none as soon as ``too_large(characters of text read so far)``: a corpus that cannot fit is
+        never read whole (that read would grow with the collection)."""
         chunks: list[ContextChunk] = []
-        self.read = self.read_chars = 0
+        chars = 0
         async with contextlib.aclosing(self.index.chunk_pages(None, size=LOAD_PAGE)) as pages:
             async for page in pages:
                 chunks += page
-                self.read, self.read_chars = len(chunks), self.read_chars + sum(len(c.text) for c in page)
-                if too_large(self.read_chars):
-                    return None
+                chars += sum(len(c.text) for c in page)
+                if too_large(chars):
+                    return CorpusRead(None, len(chunks), chars)
         chunks.sort(key=lambda c: (c.parent, c.parent_pos, c.doc_id, c.chunk_index))
         self.chunks = [replace(c, unit=c.parent, retrieved=False) for c in chunks]
-        return self.chunks
+        return CorpusRead(self.chunks, len(chunks), chars)
 
     async def arrange(self, ranked: list[ContextChunk], budget: int, stable: bool = False,
                       scoped: bool = False) -> list[ContextChunk]:
