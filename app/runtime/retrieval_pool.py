@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 from prometheus_client import Histogram
 
 from app.core.errors import ServiceError, StoreUnavailable
+from app.core.logformat import log_like_the_service
 from app.core.settings import ChromaSettings, EmbeddingSettings, PageSettings, RetrievalSettings
 from app.core.store import forget_clients
 from app.rag.retriever import Ranking, Retriever
@@ -48,12 +49,14 @@ BATCH = 16  # questions one worker encodes in one pass, at most: enough for any 
 
 @dataclass(frozen=True)
 class WorkerConfig:
-    """What a worker needs to rank: the settings sections, nothing with a secret in it."""
+    """What a worker needs to rank: the settings sections, nothing with a secret in it; and how the service logs."""
 
     chroma: ChromaSettings
     embedding: EmbeddingSettings
     retrieval: RetrievalSettings
     paging: PageSettings
+    log_level: str = "info"
+    log_format: str = "text"
 
 
 @dataclass
@@ -308,4 +311,5 @@ def _serve(config: WorkerConfig, channel_end: socket.socket) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    log_like_the_service(config.log_level, config.log_format)
     serve_channel(channel_end, _Worker(config).answer)

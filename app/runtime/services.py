@@ -137,8 +137,9 @@ async def build_services(settings: Settings, *, embedder: Embedder | None = None
     retriever = Retriever(index, encoder, settings.retrieval, encoders=max(1, threads // 2))
     ranker: Ranker = retriever
     if workers:
-        ranker = RetrievalPool(WorkerConfig(settings.chroma, settings.embedding, settings.retrieval,
-                                            settings.pages), workers, metrics.retrieval_stages)
+        ranker = RetrievalPool(WorkerConfig(settings.chroma, settings.embedding, settings.retrieval, settings.pages,
+                                            settings.service.log_level, settings.service.log_format),
+                               workers, metrics.retrieval_stages)
     clients = Clients(settings, executor, encoder, llm, upstream, index, retriever, ranker, templates, prompt_ids,
                       AnswerTraces(settings.service.otlp_traces_url))
     return assemble(clients, settings, metrics)

@@ -14,19 +14,16 @@ from asgi_correlation_id import CorrelationIdFilter, CorrelationIdMiddleware
 from fastapi import FastAPI
 from prometheus_fastapi_instrumentator import Instrumentator
 from prometheus_fastapi_instrumentator import metrics as http_metrics
-from pythonjsonlogger.core import RESERVED_ATTRS
-from pythonjsonlogger.json import JsonFormatter
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Scope
 
+from app.core.logformat import QUIET, formatter
 from app.core.metrics import ServiceMetrics
 from app.serve.repeats import Repeats
 
 REQUEST_ID_HEADER = "X-Request-ID"
 PROBES = frozenset({"/healthz", "/readyz", "/metrics"})
-LOG_FORMAT = "%(asctime)s %(levelname)s [%(correlation_id)s] %(name)s: %(message)s"
-JSON_FIELDS = {"asctime": "time", "levelname": "level", "correlation_id": "request_id", "name": "logger"}
 
 
 def observe(app: FastAPI, metrics: ServiceMetrics) -> HttpRecord:
@@ -65,7 +62,7 @@ def configure_logging(level: int | str = logging.INFO, repeats_s: float | None =
     (``app.serve.repeats``). Lines are written by a thread of their own (``QueueListener``): the event loop serving
     every request only queues a record, and never waits on a write to a busy pipe or disk."""
     written = logging.StreamHandler()
-    written.setFormatter(_formatter(form))
+    written.setFormatter(formatter(form))
     listener = QueueListener(queue.SimpleQueue(), written)
     handler = QueueHandler(listener.queue)
     handler.setFormatter(logging.Formatter("%(message)s"))  # the message only: the writer adds time, level, id
@@ -76,7 +73,7 @@ def configure_logging(level: int | str = logging.INFO, repeats_s: float | None =
     logging.basicConfig(level=level.upper() if isinstance(level, str) else level, handlers=[handler])
     _skip_unused_record_fields()
     logging.getLogger("uvicorn.access").addFilter(QuietProbes())
-    for noisy in ("httpx", "httpx2"):  # httpx2: the openai SDK's own copy of httpx
+    for noisy in QUIET:
         logging.getLogger(noisy).setLevel(logging.WARNING)
     logs = Logs(listener, handler, repeats)
     listener.start()
@@ -91,14 +88,6 @@ def _skip_unused_record_fields() -> None:
     logging._srcfile = None  # the documented switch for the caller's file and line
     logging.logThreads = logging.logProcesses = logging.logMultiprocessing = False
     setattr(logging, "logAsyncioTasks", False)  # noqa: B010  # Python 3.12+; harmless before
-
-
-def _formatter(form: str) -> logging.Formatter:
-    if form == "json":
-        fields = " ".join(f"%({name})s" for name in [*JSON_FIELDS, "message"])
-        return JsonFormatter(fields, rename_fields=JSON_FIELDS, json_ensure_ascii=False,
-                             reserved_attrs=[*RESERVED_ATTRS, "color_message"])  # uvicorn's, with terminal colours
-    return logging.Formatter(LOG_FORMAT)
 
 
 class Logs:

@@ -6,6 +6,7 @@ every worker."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 from concurrent.futures import ThreadPoolExecutor
@@ -96,6 +97,28 @@ def test_a_burst_is_shared_among_the_free_workers_and_batched_only_beyond_them(c
             await pool.aclose()
 
     asyncio.run(scenario())
+
+
+def test_a_worker_logs_at_the_service_level_and_in_its_format(collections, capfd):
+    """A worker's lines (here: which runtime its question encoder chose at load, an INFO line) reach the service's
+    log at its level and in its format, one JSON object each with the request id's field, like the serving
+    process's own (they were dropped below WARNING, and the rest written bare)."""
+    settings = app_settings(collections, "http://unused/v1", collection="project-docs")
+    config = WorkerConfig(settings.chroma, settings.embedding, settings.retrieval, settings.pages, "info", "json")
+
+    async def scenario() -> None:
+        pool = RetrievalPool(config, workers=1)
+        try:
+            await pool.prime()
+        finally:
+            await pool.aclose()
+
+    asyncio.run(scenario())
+    lines = [json.loads(line) for line in capfd.readouterr().err.splitlines() if line.startswith("{")]
+    chosen = [line for line in lines if line["message"].startswith("question encoder: ")]
+    assert len(chosen) == 1, lines
+    assert chosen[0]["level"] == "INFO" and chosen[0]["logger"] == "prefixrag.embedder", chosen
+    assert chosen[0]["request_id"] == "-"
 
 
 def test_auto_workers_follow_the_cores_and_fewer_hold_the_encoder_on_a_gpu(monkeypatch):
