@@ -1,5 +1,6 @@
 """``python -m bench.query_encoder --data DIR --chroma PATH``: what the service's question encoder costs on this
-machine's CPU in each runtime and number format (one thread, as a ranking worker runs it), and whether that
+machine's CPU in each runtime and number format (one thread, as a ranking worker runs it; ``--device cuda``: torch's
+rows on the GPU, as with PREFIXRAG_EMBEDDING__DEVICE=cuda), and whether that
 changes what is retrieved. Per ``--encoders`` value (runtime/dtype): the median time to encode a batch of 1, 2 and
 4 of the dataset's questions, as the service does and, interleaved with it, through sentence-transformers'
 ``encode``; then its dense top-5 from the ingested collection (``python -m bench.throughput`` or
@@ -24,6 +25,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--chroma", type=Path, required=True, help="the on-disk Chroma holding its collection")
     parser.add_argument("--encoders", default="torch/float32,torch/bfloat16,onnx/float32",
                         help="PREFIXRAG_EMBEDDING__QUERY_RUNTIME/QUERY_DTYPE pairs, comma-separated")
+    parser.add_argument("--device", default="cpu",
+                        help="where torch runs the encoder (PREFIXRAG_EMBEDDING__DEVICE; default cpu, whatever the "
+                             "machine has: 'auto' would put torch's rows on a GPU and onnx's on the CPU)")
     parser.add_argument("--questions", type=int, default=1000, help="questions for the rankings (default 1000)")
     parser.add_argument("--batches", type=int, default=150, help="timed batches per batch size (default 150)")
     parser.add_argument("--out", type=Path, default=Path("bench/results/query-encoder.json"))
@@ -45,10 +49,13 @@ def main(argv: list[str] | None = None) -> int:
     rows, reference = [], None
     for pair in args.encoders.split(","):
         runtime, dtype = pair.split("/")
-        encoder = Embedder(EmbeddingSettings(query_runtime=runtime, query_dtype=dtype), questions=True).load()
+        device = "cpu" if runtime == "onnx" else args.device  # ONNX Runtime runs it on the CPU only
+        settings = EmbeddingSettings(device=device, query_runtime=runtime, query_dtype=dtype)
+        encoder = Embedder(settings, questions=True).load()
         paths = {"encode_ms_median": encoder.embed,
                  "library_encode_ms_median": encoder.model.encode}
-        row: dict = {"runtime": runtime, "dtype": dtype} | {name: {} for name in paths}
+        row: dict = {"runtime": runtime, "dtype": dtype, "device": str(encoder.model.device)} | {
+            name: {} for name in paths}
         for size in (1, 2, 4):
             times: dict[str, list[float]] = {name: [] for name in paths}
             for embed in paths.values():

@@ -56,6 +56,7 @@ def test_query_encoder_times_each_runtime_and_number_format_and_compares_what_it
     assert 4.0 <= bf16["top5_chunks_in_common_with_first"] and onnx["recall_at_5"] == first["recall_at_5"]
     assert first["recall_at_5"] > 0.5 and all(ms > 0 for ms in bf16["encode_ms_median"].values())
     assert set(bf16["library_encode_ms_median"]) == set(bf16["encode_ms_median"]) == {"1", "2", "4"}
+    assert {row["device"] for row in (first, bf16, onnx)} == {"cpu"}  # each row says where it ran
 
 
 def test_a_skewed_stream_asks_about_a_few_documents_most_and_the_split_names_the_busiest_replica():
