@@ -52,8 +52,11 @@ class ChunkWriter:
         if previous_ids and not self.dry_run:
             self._settled()
             self._remember_stored(previous_ids)
+        alone = document.kind != "jsonl"  # a file is its own parent; jsonl records may share theirs
+        chars = sum(len(chunk.text) for chunk in chunks) if alone else -1
         for chunk in chunks:
-            self.buffer.append((document.doc_id, chunk, chunk_metadata(document, chunk, doc_hash, len(chunks))))
+            meta = chunk_metadata(document, chunk, doc_hash, len(chunks), chars)
+            self.buffer.append((document.doc_id, chunk, meta))
         if len(self.buffer) >= self.batch:
             self.flush()
 
@@ -176,11 +179,12 @@ class ChunkWriter:
                 self.collection.delete(ids=batch)
 
 
-def chunk_metadata(document: SourceDocument, chunk: Chunk, doc_hash: str, n_chunks: int) -> dict[str, Any]:
+def chunk_metadata(document: SourceDocument, chunk: Chunk, doc_hash: str, n_chunks: int,
+                   parent_chars: int = -1) -> dict[str, Any]:
     return ChunkRecord(
         doc_id=document.doc_id, source=document.source, title=document.title, chunk_index=chunk.index,
         n_chunks=n_chunks, start=chunk.start, end=chunk.end, headings=" > ".join(chunk.headings),
         page=chunk.page if chunk.page is not None else -1, parent_id=document.parent_id,
         parent_pos=document.parent_pos, kind=document.kind, content_hash=chunk.content_hash, doc_hash=doc_hash,
-        file_hash=document.file_hash,
+        file_hash=document.file_hash, parent_chars=parent_chars,
     ).to_metadata()

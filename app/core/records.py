@@ -28,6 +28,9 @@ class ChunkRecord:
     kind: str = "text"
     content_hash: str = ""
     file_hash: str = ""  # the raw file's hash: equal and complete means the file need not even be parsed
+    parent_chars: int = -1  # characters of all the parent's chunks, where the document is its parent's only one (a
+    # file; -1: jsonl records, which may share one, and rows written before it was kept): with n_chunks, where a
+    # window of a big document starts and ends, without reading the document whole
 
     @property
     def parent_key(self) -> str:

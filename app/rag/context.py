@@ -33,6 +33,8 @@ class ContextChunk:
     end: int = -1
     unit: str = ""  # the stable unit this chunk was placed in (document/corpus strategies); "" = on its own
     page: int = -1  # 1-based PDF page (-1: not from a PDF)
+    n_chunks: int = 0  # chunks of its document as written (0: unknown)
+    parent_chars: int = -1  # characters of its parent's chunks, where the parent is this document alone (-1: unknown)
 
     @property
     def parent(self) -> str:

@@ -292,4 +292,5 @@ def to_chunk(chunk_id: str, text: str, meta: dict[str, Any], score: float = 0.0,
         id=chunk_id, doc_id=record.doc_id, chunk_index=record.chunk_index, text=text, title=record.title,
         headings=record.headings, score=round(float(score), 4), rank=rank, parent_id=record.parent_id,
         parent_pos=record.parent_pos, retrieved=retrieved, start=record.start, end=record.end, page=record.page,
+        n_chunks=record.n_chunks, parent_chars=record.parent_chars,
     )

@@ -91,6 +91,10 @@ class UnitIndex:
         return await self._tagged.get(hit.id, lambda: self._tag(hit))
 
     async def _tag(self, hit: ContextChunk) -> tuple[str, list[ContextChunk]]:
+        if (window := self._window_by_size(hit)) is not None:
+            found = await self._units.get(window.key, lambda: self._read_window(window, hit), keep=bool)
+            if found:
+                return window.key, found
         key, chunks = await self._locate(hit)
 
         async def tagged() -> list[ContextChunk]:
@@ -108,14 +112,36 @@ class UnitIndex:
         ordered = sorted(natural_order(chunks), key=lambda c: position.get(c.parent, len(members)))
         return [replace(c, unit=c.parent) for c in ordered]
 
+    def _window_by_size(self, hit: ContextChunk) -> Window | None:
+        """The window ``_locate`` would cut for this hit, from the size its row records (a file's chunk count and
+        characters), where the file is too big to be one unit; None where it fits whole or its size is unknown."""
+        if hit.parent_chars < 0 or hit.n_chunks <= 0 or hit.parent != hit.doc_id:
+            return None
+        tokens = int(hit.parent_chars / CHARS_PER_TOKEN)  # estimate_tokens of all its chunks
+        if tokens <= self.max_unit_tokens:
+            return None
+        size = window_size(self.max_unit_tokens, tokens, hit.n_chunks)
+        return Window(hit.parent, hit.chunk_index // size * size, size)
+
+    async def _read_window(self, window: Window, hit: ContextChunk) -> list[ContextChunk]:
+        """The window's rows alone, tagged; [] where they are not all there as the hit's row counted them (an
+        ingest writing the file, a chunk withdrawn): the whole document's read decides then."""
+        where = {"$and": [{"parent_id": window.parent_id}, {"chunk_index": {"$gte": window.start}},
+                          {"chunk_index": {"$lt": window.start + window.size}}]}
+        chunks = natural_order(await self.index.chunks_where(where))
+        expected = range(window.start, min(window.start + window.size, hit.n_chunks))
+        if [c.chunk_index for c in chunks] != list(expected) or any(
+                (c.doc_id, c.n_chunks, c.parent_chars) != (hit.doc_id, hit.n_chunks, hit.parent_chars) for c in chunks):
+            return []
+        return [replace(c, unit=window.key) for c in chunks]
+
     async def _locate(self, hit: ContextChunk) -> tuple[str, list[ContextChunk]]:
         chunks = await self.parent(hit.parent)
         if not chunks:
             return hit.id, [hit]
         if estimate_tokens(chunks) <= self.max_unit_tokens:
             return hit.parent, chunks
-        per_chunk = max(1, estimate_tokens(chunks) // len(chunks))
-        size = max(1, self.max_unit_tokens // per_chunk)
+        size = window_size(self.max_unit_tokens, estimate_tokens(chunks), len(chunks))
         position = next((i for i, c in enumerate(chunks) if c.id == hit.id), 0)
         start = position // size * size  # aligned: every hit in this window maps to the same bytes
         return Window(hit.parent, start, size).key, chunks[start:start + size]
@@ -125,8 +151,17 @@ class UnitIndex:
         its parent no longer has that many chunks."""
         if (window := window_of(key)) is None:
             return None
+        where = {"$and": [{"parent_id": window.parent_id}, {"chunk_index": window.start}]}
+        found = await self.index.chunks_where(where)  # a file's own row is its chunk at that position
+        if len(found) == 1 and found[0].parent_chars >= 0 and found[0].doc_id == window.parent_id:
+            return found[0]
         chunks = await self.parent(window.parent_id)
         return chunks[window.start] if window.start < len(chunks) else None
+
+
+def window_size(max_unit_tokens: int, parent_tokens: int, parent_chunks: int) -> int:
+    """Chunks per window of a parent too big for one unit: as many of its average chunk as fit."""
+    return max(1, max_unit_tokens // max(1, parent_tokens // parent_chunks))
 
 
 class Window(NamedTuple):

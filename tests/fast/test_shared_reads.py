@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 
 import pytest
 
@@ -15,6 +16,7 @@ from app.rag.index import CollectionIndex
 from app.rag.lru import AsyncLRU
 from app.rag.units import UnitIndex
 from app.serve.app import create_app
+from ingest.pipeline import run_ingest
 from tests.support.corpora import app_settings
 from tests.support.fakes import FakeVLLM
 from tests.support.servers import AppServer
@@ -138,3 +140,45 @@ def test_deciding_whether_the_corpus_fits_stops_reading_once_it_cannot(notes, em
     assert small["corpus_fits"] is False and small["corpus_tokens"] is None
     assert 8 <= small["corpus_read"] < len(texts)  # stopped once the text read could not fit twice over
     assert large["corpus_fits"] is True and large["corpus_read"] == len(texts) and large["corpus_tokens"] > 0
+
+
+def test_a_window_of_a_big_file_is_read_alone_and_is_the_window_the_whole_read_cuts(tmp_path, embedder,
+                                                                                   monkeypatch):
+    """A question about one window of a big file reads that window's rows (its row records the file's size), not
+    the whole file, which after every forget held answers for a second; the window and its chunks are the ones
+    the whole file's read cuts, so prompts and hotness keys stay as they were; rows without the size (written
+    before it was kept) are cut from the whole file as before; a hot window's first chunk is one row's read."""
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "big.md").write_text("\n\n".join(
+        f"Paragraph {i} says " + " ".join(f"w{i}x{j}" for j in range(50)) + "." for i in range(60)))
+    settings = app_settings(tmp_path / "chroma", "http://unused/v1", collection="big")
+    run_ingest([docs], settings, embedder)
+    rows_read: list[int] = []
+    original = CollectionIndex.chunks_where
+
+    async def counted(self, where, texts=True):
+        found = await original(self, where, texts)
+        rows_read.append(len(found))
+        return found
+
+    monkeypatch.setattr(CollectionIndex, "chunks_where", counted)
+
+    async def scenario():
+        index = CollectionIndex(embedder, settings.chroma, ThreadPoolExecutor(2))
+        whole = await index.chunks_where(None)
+        assert len(whole) > 20 and {(c.n_chunks, c.parent_chars > 0) for c in whole} == {(len(whole), True)}
+        windowed, legacy = UnitIndex(index, max_unit_tokens=400), UnitIndex(index, max_unit_tokens=400)
+        keys = set()
+        for hit in whole[::5]:
+            rows_read.clear()
+            key, chunks = await windowed.unit_for(hit, paged=False)
+            # A window read once, its rows alone; a later hit in it reads nothing.
+            assert rows_read == ([] if key in keys else [len(chunks)]) and len(chunks) < len(whole) // 3, rows_read
+            assert (key, chunks) == await legacy.unit_for(replace(hit, parent_chars=-1), paged=False)
+            keys.add(key)
+            rows_read.clear()
+            assert (await windowed.window_start(key)).id == chunks[0].id and rows_read == [1]
+        assert len(keys) >= 3  # several windows were cut
+
+    asyncio.run(scenario())
