@@ -124,14 +124,14 @@ class UnitIndex:
         return Window(hit.parent, hit.chunk_index // size * size, size)
 
     async def _read_window(self, window: Window, hit: ContextChunk) -> list[ContextChunk]:
-        """The window's rows alone, tagged; [] where they are not all there as the hit's row counted them (an
-        ingest writing the file, a chunk withdrawn): the whole document's read decides then."""
+        """The window's rows alone, tagged; [] where they are not each position once as the hit's row counted
+        them (a chunk withdrawn, a file shortened, or one of several records): the whole parent's read decides
+        then. While an ingest rewrites the file, its rows mix two versions, here as in a whole read."""
         where = {"$and": [{"parent_id": window.parent_id}, {"chunk_index": {"$gte": window.start}},
                           {"chunk_index": {"$lt": window.start + window.size}}]}
         chunks = natural_order(await self.index.chunks_where(where))
         expected = range(window.start, min(window.start + window.size, hit.n_chunks))
-        if [c.chunk_index for c in chunks] != list(expected) or any(
-                (c.doc_id, c.n_chunks, c.parent_chars) != (hit.doc_id, hit.n_chunks, hit.parent_chars) for c in chunks):
+        if [c.chunk_index for c in chunks] != list(expected) or any(c.doc_id != hit.doc_id for c in chunks):
             return []
         return [replace(c, unit=window.key) for c in chunks]
 

@@ -147,7 +147,8 @@ def test_a_window_of_a_big_file_is_read_alone_and_is_the_window_the_whole_read_c
     """A question about one window of a big file reads that window's rows (its row records the file's size), not
     the whole file, which after every forget held answers for a second; the window and its chunks are the ones
     the whole file's read cuts, so prompts and hotness keys stay as they were; rows without the size (written
-    before it was kept) are cut from the whole file as before; a hot window's first chunk is one row's read."""
+    before it was kept) are cut from the whole file as before, and so is a window missing a row; a hot window's
+    first chunk is one row's read."""
     docs = tmp_path / "docs"
     docs.mkdir()
     (docs / "big.md").write_text("\n\n".join(
@@ -180,5 +181,12 @@ def test_a_window_of_a_big_file_is_read_alone_and_is_the_window_the_whole_read_c
             rows_read.clear()
             assert (await windowed.window_start(key)).id == chunks[0].id and rows_read == [1]
         assert len(keys) >= 3  # several windows were cut
+        gone = whole[len(whole) // 2]  # withdrawn (its document deleted over HTTP): its window is not all there
+        index.withdraw(frozenset({gone.id}))
+        rows_read.clear()
+        key, chunks = await UnitIndex(index, max_unit_tokens=400).unit_for(gone, paged=False)
+        assert rows_read[-1] == len(whole) - 1 and gone.id not in {c.id for c in chunks}  # the whole file decided
+        legacy = UnitIndex(index, max_unit_tokens=400)
+        assert (key, chunks) == await legacy.unit_for(replace(gone, parent_chars=-1), paged=False)
 
     asyncio.run(scenario())
