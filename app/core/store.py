@@ -63,7 +63,8 @@ def open_client(cfg: ChromaSettings, create: bool = True) -> Any:
             raise CollectionMissing(f"no Chroma store at {cfg.path}: ingest documents first (python -m ingest DIR)")
         cfg.path.mkdir(parents=True, exist_ok=True)
         # Two threads building the first client of a path at once break Chroma's shared state ("'RustBindingsAPI'
-        # object has no attribute 'bindings'"): the service's watcher and its warm-up do exactly that at start-up.
+        # object has no attribute 'bindings'"): the service's watcher and its warm-up do exactly that at start-up;
+        # and a reload's forget_clients on another thread must not clear the cache mid-build.
         with _CLIENT_LOCK:
             return chromadb.PersistentClient(path=str(cfg.path), settings=client_settings)
     except StoreError:
@@ -149,10 +150,12 @@ def read_generation(cfg: ChromaSettings, embedder: Embedder) -> str | None:
 def forget_clients() -> None:
     """Drop Chroma's in-process state, so the next open reloads from disk: an embedded client's vector index
     does not see what another process wrote (its queries miss new chunks) until it is reopened. Collections
-    already open keep working on the old state, so requests in flight are not disturbed."""
+    already open keep working on the old state, so requests in flight are not disturbed. Never while a client is
+    being built: Chroma registers a new client's system in that cache and reads it back (KeyError in between)."""
     from chromadb.api.shared_system_client import SharedSystemClient
 
-    SharedSystemClient.clear_system_cache()
+    with _CLIENT_LOCK:
+        SharedSystemClient.clear_system_cache()
 
 
 def being_written(generation: str | None, cfg: ChromaSettings) -> bool:

@@ -284,3 +284,34 @@ def test_a_reload_opens_the_store_beside_the_questions_which_search_the_open_han
     assert retriever.rank_sync(question, 3, mode="dense").complete
     assert retriever.rank_sync(question, 3, mode="hybrid").complete
     index.close()
+
+
+def test_forgetting_clients_while_another_thread_opens_one_never_breaks_the_open(tmp_path):
+    """A reload drops Chroma's cached clients on its thread while a question's thread may be opening one: Chroma
+    registers the new client and reads it back, and a clear in between failed that open (KeyError, a 503)."""
+    import threading
+
+    from app.core.settings import ChromaSettings
+    from app.core.store import forget_clients, open_client
+
+    cfg = ChromaSettings(path=tmp_path / "chroma", collection="race")
+    open_client(cfg)
+    stop = threading.Event()
+
+    def reloads() -> None:
+        while not stop.is_set():
+            forget_clients()
+
+    clearing = threading.Thread(target=reloads)
+    clearing.start()
+    try:
+        failures = []
+        for _ in range(300):  # without the lock about one open in fifteen failed here
+            try:
+                open_client(cfg)
+            except Exception as exc:
+                failures.append(exc)
+    finally:
+        stop.set()
+        clearing.join()
+    assert not failures, failures[:3]
