@@ -52,6 +52,10 @@ class AsyncLRU(Generic[V]):
             self._items.popitem(last=False)
         return value
 
+    def cached(self, key: Hashable) -> V | None:
+        """The value kept for ``key`` (None: none kept), without loading it or marking it used."""
+        return self._items.get(key)
+
     def clear(self) -> None:
         """Forget every value; a load running now is not joined by later callers, nor kept."""
         self._items.clear()

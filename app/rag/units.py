@@ -34,7 +34,11 @@ def in_background() -> bool:
 
 
 def estimate_tokens(chunks: list[ContextChunk]) -> int:
-    return int(sum(len(c.text) for c in chunks) / CHARS_PER_TOKEN)
+    return chars_to_tokens(sum(len(c.text) for c in chunks))
+
+
+def chars_to_tokens(chars: int) -> int:
+    return int(chars / CHARS_PER_TOKEN)
 
 
 class UnitIndex:
@@ -117,19 +121,21 @@ class UnitIndex:
         characters), where the file is too big to be one unit; None where it fits whole or its size is unknown."""
         if hit.parent_chars < 0 or hit.n_chunks <= 0 or hit.parent != hit.doc_id:
             return None
-        tokens = int(hit.parent_chars / CHARS_PER_TOKEN)  # estimate_tokens of all its chunks
+        return self._cut(hit.parent, chars_to_tokens(hit.parent_chars), hit.n_chunks, hit.chunk_index)
+
+    def _cut(self, parent: str, tokens: int, chunks: int, position: int) -> Window | None:
+        """The window holding ``position`` of a parent of ``tokens`` in ``chunks`` (None: it fits one unit):
+        as many of its average chunk as fit, aligned, so every hit in a window maps to the same bytes."""
         if tokens <= self.max_unit_tokens:
             return None
-        size = window_size(self.max_unit_tokens, tokens, hit.n_chunks)
-        return Window(hit.parent, hit.chunk_index // size * size, size)
+        size = max(1, self.max_unit_tokens // max(1, tokens // chunks))
+        return Window(parent, position // size * size, size)
 
     async def _read_window(self, window: Window, hit: ContextChunk) -> list[ContextChunk]:
         """The window's rows alone, tagged; [] where they are not each position once as the hit's row counted
         them (a chunk withdrawn, a file shortened, or one of several records): the whole parent's read decides
         then. While an ingest rewrites the file, its rows mix two versions, here as in a whole read."""
-        where = {"$and": [{"parent_id": window.parent_id}, {"chunk_index": {"$gte": window.start}},
-                          {"chunk_index": {"$lt": window.start + window.size}}]}
-        chunks = natural_order(await self.index.chunks_where(where))
+        chunks = natural_order(await self._rows(window.parent_id, window.start, window.start + window.size))
         expected = range(window.start, min(window.start + window.size, hit.n_chunks))
         if [c.chunk_index for c in chunks] != list(expected) or any(c.doc_id != hit.doc_id for c in chunks):
             return []
@@ -139,29 +145,27 @@ class UnitIndex:
         chunks = await self.parent(hit.parent)
         if not chunks:
             return hit.id, [hit]
-        if estimate_tokens(chunks) <= self.max_unit_tokens:
-            return hit.parent, chunks
-        size = window_size(self.max_unit_tokens, estimate_tokens(chunks), len(chunks))
         position = next((i for i, c in enumerate(chunks) if c.id == hit.id), 0)
-        start = position // size * size  # aligned: every hit in this window maps to the same bytes
-        return Window(hit.parent, start, size).key, chunks[start:start + size]
+        if (window := self._cut(hit.parent, estimate_tokens(chunks), len(chunks), position)) is None:
+            return hit.parent, chunks
+        return window.key, chunks[window.start:window.start + window.size]
+
+    async def _rows(self, parent: str, start: int, stop: int) -> list[ContextChunk]:
+        """A parent's chunks whose ``chunk_index`` is in [start, stop): a file's chunks at those positions."""
+        return await self.index.chunks_where({"$and": [
+            {"parent_id": parent}, {"chunk_index": {"$gte": start}}, {"chunk_index": {"$lt": stop}}]})
 
     async def window_start(self, key: str) -> ContextChunk | None:
         """The first chunk of the window ``key`` names (``window_of``), or None when ``key`` names no window or
         its parent no longer has that many chunks."""
         if (window := window_of(key)) is None:
             return None
-        where = {"$and": [{"parent_id": window.parent_id}, {"chunk_index": window.start}]}
-        found = await self.index.chunks_where(where)  # a file's own row is its chunk at that position
-        if len(found) == 1 and found[0].parent_chars >= 0 and found[0].doc_id == window.parent_id:
-            return found[0]
-        chunks = await self.parent(window.parent_id)
+        if (chunks := self._parents.cached(window.parent_id)) is None:  # not read yet: one row may do
+            found = await self._rows(window.parent_id, window.start, window.start + 1)
+            if len(found) == 1 and found[0].parent_chars >= 0 and found[0].doc_id == window.parent_id:
+                return found[0]
+            chunks = await self.parent(window.parent_id)
         return chunks[window.start] if window.start < len(chunks) else None
-
-
-def window_size(max_unit_tokens: int, parent_tokens: int, parent_chunks: int) -> int:
-    """Chunks per window of a parent too big for one unit: as many of its average chunk as fit."""
-    return max(1, max_unit_tokens // max(1, parent_tokens // parent_chunks))
 
 
 class Window(NamedTuple):

@@ -14,7 +14,7 @@ import pytest
 from app.rag import strategies
 from app.rag.index import CollectionIndex
 from app.rag.lru import AsyncLRU
-from app.rag.units import UnitIndex
+from app.rag.units import UnitIndex, window_of
 from app.serve.app import create_app
 from ingest.pipeline import run_ingest
 from tests.support.corpora import app_settings
@@ -177,9 +177,13 @@ def test_a_window_of_a_big_file_is_read_alone_and_is_the_window_the_whole_read_c
             # A window read once, its rows alone; a later hit in it reads nothing.
             assert rows_read == ([] if key in keys else [len(chunks)]) and len(chunks) < len(whole) // 3, rows_read
             assert (key, chunks) == await legacy.unit_for(replace(hit, parent_chars=-1), paged=False)
+            window = window_of(key)  # aligned: every hit in a window maps to the same one
+            assert window.start % window.size == 0 and window.start <= hit.chunk_index < window.start + window.size
             keys.add(key)
             rows_read.clear()
             assert (await windowed.window_start(key)).id == chunks[0].id and rows_read == [1]
+            rows_read.clear()  # where the whole file was read (the legacy index): nothing is read again
+            assert (await legacy.window_start(key)).id == chunks[0].id and rows_read == []
         assert len(keys) >= 3  # several windows were cut
         gone = whole[len(whole) // 2]  # withdrawn (its document deleted over HTTP): its window is not all there
         index.withdraw(frozenset({gone.id}))
