@@ -236,11 +236,13 @@ class Pipeline:
 
     async def _prompt_ids(self, prompt: Prompt, talk: Conversation) -> list[int] | None:
         """The prompt as token ids when its head was seen before (vLLM then need not tokenize it); the head
-        ends after the first turn's opening units, else before the last question."""
+        ends after the first turn's opening units, else after the system prompt: a context that opens with a
+        hit of its own (scattered hits, a conversation's later turns) is seldom sent twice, so a head ending at
+        the question would be learnt for nothing and every such prompt would go as a chat."""
         if self.prompt_ids is None or not self.prompt_ids.active:
-            return None  # off (the default) or no tokenizer here: the lead is not rendered again for nothing
+            return None  # off or no tokenizer here: the lead is not rendered again for nothing
         return await self.prompt_ids.ids(prompt.messages, self.builder.question(talk.questions[-1]),
-                                         self.builder.lead(prompt.first_context))
+                                         self.builder.lead(prompt.first_context) or self.builder.system_prompt)
 
     def _budget(self, max_model_len: int, max_tokens: int) -> int:
         if max_tokens >= max_model_len:

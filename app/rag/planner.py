@@ -54,6 +54,7 @@ class WarmPlan:
 
     prefix: list[dict[str, Any]]
     units: AsyncIterator[WarmUnit]
+    prefix_lead: str  # where the stable prefix's prompt head ends (the system prompt), learnt once it is sent
     piece_tokens: int  # each unit is sent in pieces of about this many new tokens (0: whole)
     verdict: CorpusVerdict | None = None
     planned: int = 0  # units the plan holds so far (it grows as a big document's windows are found)
@@ -154,7 +155,8 @@ class ContextPlanner:
         """Decide (``prepare``), then plan: the corpus when it is the context, else every unit, hottest first;
         each unit in pieces of about ``piece_tokens`` new tokens (0: whole)."""
         verdict = await self.prepare(info)
-        plan = WarmPlan(self.builder.warmup_messages(), _no_units(), piece_tokens, verdict)
+        builder = self.builder
+        plan = WarmPlan(builder.warmup_messages(), _no_units(), builder.system_prompt, piece_tokens, verdict)
         if self.active is self.corpus and self.corpus.fits:
             plan.planned, plan.units = 1, self._corpus_unit(plan)
         elif self.active.name == "document":

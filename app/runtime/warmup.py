@@ -119,6 +119,7 @@ class Warmer:
                 self.progress.corpus_chunks, self.progress.corpus_tokens = verdict.chunks, verdict.tokens
                 self.progress.corpus_read, self.progress.corpus_fits = verdict.read, verdict.fits
             self.progress.prefix_tokens = await self._send(plan.prefix, affinity_key([]))
+            await self.prompt_ids.learn(plan.prefix, plan.prefix_lead)  # the head of contexts opening with a hit
             await self._warm_units(plan)
             if self.progress.state == "warming":
                 self.progress.state = "done"

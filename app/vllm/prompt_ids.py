@@ -4,8 +4,8 @@ A prefix-cache hit skips prefill, but vLLM's API server still renders the chat t
 prompt on every request, work that grows with the prompt (measured: docs/design.md, token-id prompts). So where
 this machine has the served model's tokenizer, the app renders the chat template itself, keeps the token ids of
 each prompt's head (the context's opening units, which every question about them shares whatever hits follow;
-else all up to the question), tokenizes only the rest and sends the ids to ``/v1/completions``. On unless
-``PREFIXRAG_VLLM__TOKEN_ID_PROMPTS=false``.
+else the system prompt, which every prompt shares), tokenizes only the rest and sends the ids to
+``/v1/completions``. On unless ``PREFIXRAG_VLLM__TOKEN_ID_PROMPTS=false``.
 
 Exact or unused: a head is used only after its ids, computed here, equalled vLLM's own ``/tokenize`` of a whole
 prompt, in the background (the request that first meets a head goes as a chat, as before, unless pre-warm sent

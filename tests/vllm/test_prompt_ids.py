@@ -75,6 +75,27 @@ def test_a_head_seen_before_goes_as_exactly_the_ids_vllm_makes(vllm_url, embedde
     asyncio.run(run())
 
 
+def test_a_context_opening_with_a_hit_of_its_own_goes_as_ids_after_the_system_prompt(vllm_url, embedder):
+    """Scattered hits, a conversation's later turns: no unit opens the context, so the head is the system prompt,
+    learnt once (pre-warm sends it first), and every such prompt goes as exactly vLLM's ids."""
+    async def run():
+        client = await Client.open(vllm_url, embedder)
+        await client.upstream.refresh()
+        await until(lambda: client.prompt_ids.active)
+        builder, system = client.builder, client.builder.system_prompt
+        await client.prompt_ids.learn(builder.warmup_messages(), system)  # as pre-warm does with its prefix
+        assert len(client.prompt_ids.heads) == 1
+        for question, extra in QUESTIONS:  # other hits, other questions: nothing shared after the system prompt
+            messages = [{"role": "system", "content": system},
+                        {"role": "user", "content": f"<documents>\n{extra}</documents>\n" + builder.question(question)}]
+            ids = await client.prompt_ids.ids(messages, builder.question(question), system)
+            assert ids is not None and ids == await client.llm.tokenize(messages)
+        assert len(client.prompt_ids.heads) == 1
+        await client.close()
+
+    asyncio.run(run())
+
+
 def test_a_tokenizer_that_disagrees_with_vllm_is_never_used(vllm_url, embedder, tmp_path):
     async def run():
         served = await Client.open(vllm_url, embedder)
@@ -111,30 +132,42 @@ def test_switched_off_or_without_the_served_tokenizer_here_prompts_go_as_chats(v
 
 
 def test_answers_over_token_ids_are_cached_like_chats(collections, vllm_url, embedder):
-    settings = app_settings(collections, vllm_url, top_k=4)  # all four facts, every time: one head
-    settings.vllm.token_id_prompts = True
+    """The same question through a service sending chats, then through one sending token ids: the same prompt,
+    and the second hits what the first left in vLLM's cache."""
+    question = "What colour is the sky on Mars?"
 
-    def ask(question: str) -> dict:
-        response = httpx.post(server.url + "/ask", json={"question": question, "max_tokens": 4}, timeout=60)
-        assert response.status_code == 200, response.text
-        return response.json()
+    def answer(token_ids: bool) -> tuple[dict, dict[str, float]]:
+        settings = app_settings(collections, vllm_url, top_k=4)  # all four facts, every time
+        settings.vllm.token_id_prompts = token_ids
+        with AppServer(create_app(settings, embedder=embedder)) as server:
+            server.wait_ready()
+            warmed(server.url)  # pre-warm learns the head as it sends the stable prefix
+            response = httpx.post(server.url + "/ask", json={"question": question, "max_tokens": 4}, timeout=60)
+            assert response.status_code == 200, response.text
+            metrics = httpx.get(server.url + "/metrics").text
+        return response.json(), sent_forms(metrics)
 
-    def sent(form: str) -> float:
-        text = httpx.get(server.url + "/metrics").text
-        line = next((x for x in text.splitlines() if x.startswith(f'prefixrag_prompts_total{{form="{form}"}}')), "")
-        return float(line.split()[-1]) if line else 0.0
+    chat, chat_forms = answer(token_ids=False)
+    by_ids = answer(token_ids=True)
+    assert chat_forms == {"chat": 1.0} and by_ids[1] == {"token_ids": 1.0}
+    assert by_ids[0]["usage"]["prompt_tokens"] == chat["usage"]["prompt_tokens"]
+    assert by_ids[0]["usage"]["cached_tokens"] >= chat["usage"]["prompt_tokens"] // 128 * 128 - 128 > 0
+    assert by_ids[0]["answer"]
 
-    with AppServer(create_app(settings, embedder=embedder)) as server:
-        server.wait_ready()
-        chat = ask("What colour is the sky on Mars?")
-        deadline = time.monotonic() + 30
-        while sent("token_ids") == 0:  # the head is learnt in the background after the first answer
-            assert time.monotonic() < deadline, "no prompt went as token ids"
-            by_ids = ask("What colour is the sky on Mars?")
-        assert sent("chat") >= 1
-    assert by_ids["usage"]["prompt_tokens"] == chat["usage"]["prompt_tokens"]
-    assert by_ids["usage"]["cached_tokens"] >= chat["usage"]["prompt_tokens"] // 128 * 128 - 128 > 0
-    assert by_ids["answer"]
+
+def warmed(url: str) -> dict:
+    """``/readyz`` once pre-warm is done (it fails if pre-warm stops or fails, or takes over two minutes)."""
+    deadline = time.monotonic() + 120
+    while (ready := httpx.get(url + "/readyz").json())["warmup"]["state"] != "done":
+        assert time.monotonic() < deadline and not ready["warmup"]["state"].startswith(("stopped", "failed"))
+        time.sleep(0.2)
+    return ready
+
+
+def sent_forms(metrics: str) -> dict[str, float]:
+    """``prefixrag_prompts_total`` by form, as ``/metrics`` shows it (forms never sent are absent)."""
+    return {form: float(line.split()[-1]) for form in ("token_ids", "chat") for line in metrics.splitlines()
+            if line.startswith(f'prefixrag_prompts_total{{form="{form}"}}') and float(line.split()[-1])}
 
 
 def test_a_pre_warmed_units_first_question_already_goes_as_token_ids(collections, vllm_url, embedder):
@@ -143,15 +176,29 @@ def test_a_pre_warmed_units_first_question_already_goes_as_token_ids(collections
     settings.vllm.token_id_prompts = True
     with AppServer(create_app(settings, embedder=embedder)) as server:
         server.wait_ready()
-        deadline = time.monotonic() + 120
-        while (ready := httpx.get(server.url + "/readyz").json())["warmup"]["state"] != "done":
-            assert time.monotonic() < deadline and not ready["warmup"]["state"].startswith(("stopped", "failed"))
-            time.sleep(0.2)
+        ready = warmed(server.url)
         assert ready["warmup"]["units_warmed"] >= 1, json.dumps(ready)
         response = httpx.post(server.url + "/ask", json={"question": "What colour is the sky on Mars?",
                                                          "max_tokens": 4}, timeout=60)
         assert response.status_code == 200, response.text
         metrics = httpx.get(server.url + "/metrics").text
-    forms = {form: float(line.split()[-1]) for form in ("token_ids", "chat") for line in metrics.splitlines()
-             if line.startswith(f'prefixrag_prompts_total{{form="{form}"}}')}
-    assert forms.get("token_ids") == 1 and not forms.get("chat"), forms
+    assert sent_forms(metrics) == {"token_ids": 1.0}
+
+
+def test_after_pre_warm_questions_whose_contexts_open_with_their_own_hits_go_as_token_ids(collections, vllm_url,
+                                                                                          embedder):
+    """The canonical strategy: every context opens with a hit, and each question here has its own set of hits."""
+    settings = app_settings(collections, vllm_url, top_k=2)
+    settings.vllm.token_id_prompts = True
+    questions = ("What colour is the sky on Mars?", "Why do tides rise twice a day?", "Where does a compass point?")
+    with AppServer(create_app(settings, embedder=embedder)) as server:
+        server.wait_ready()
+        warmed(server.url)
+        cited = set()
+        for question in questions:
+            response = httpx.post(server.url + "/ask", json={"question": question, "max_tokens": 4}, timeout=60)
+            assert response.status_code == 200, response.text
+            cited.add(tuple(sorted(source["id"] for source in response.json()["sources"])))
+        metrics = httpx.get(server.url + "/metrics").text
+    assert len(cited) > 1  # the contexts differ: no head up to the question could have been shared
+    assert sent_forms(metrics) == {"token_ids": float(len(questions))}
