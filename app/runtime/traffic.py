@@ -133,7 +133,7 @@ class LiveTraffic:
         ``auto`` once a reading of vLLM's queue shows no room); a request that came back when its Retry-After
         said (``Returns``) waits for the next place freed instead, for a while."""
         admissible = await self._admissible()
-        hold_s = 0.0 if admissible else self.returns.hold_s()  # came back when told: may wait for a place freed
+        hold_s = 0.0 if admissible else self.returns.hold_s(self.service_s)  # came back when told: may wait
         if not admissible and not hold_s:
             raise self._refusal()
         self._arrive()

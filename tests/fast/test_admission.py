@@ -203,6 +203,43 @@ async def test_a_client_that_comes_back_when_told_waits_for_the_next_place_and_o
     await holder
 
 
+async def test_a_client_that_came_back_waits_about_as_long_as_requests_hold_their_places(monkeypatch):
+    """Places can free in waves a service time apart (answers admitted together end together): a returning
+    client's wait follows the recent service time, within its bounds, not a fixed few seconds."""
+    from app.runtime import returns
+    from app.runtime.returns import CLIENT
+
+    monkeypatch.setattr(returns, "MIN_HOLD_S", 0.1)
+    monkeypatch.setattr(returns, "MAX_HOLD_S", 1.0)
+
+    async def comes_back(service_s: float, frees_after_s: float) -> tuple[str, float]:
+        traffic, release = LiveTraffic(1, 0), asyncio.Event()
+        holder = asyncio.create_task(held_until(traffic, release))
+        await asyncio.sleep(0.01)
+        CLIENT.set(f"10.0.0.1:{service_s}")
+        with pytest.raises(Overloaded):
+            await hold(traffic, 1, contextlib.AsyncExitStack())
+        traffic.service_s = service_s
+        await asyncio.sleep(1.05)  # the Retry-After it was told (1 s), then it comes back
+        loop = asyncio.get_running_loop()
+        loop.call_later(frees_after_s, release.set)
+        started = loop.time()
+        try:
+            async with traffic.slot():
+                seen = "admitted"
+        except Overloaded:
+            seen = "429"
+        waited = loop.time() - started
+        release.set()
+        await holder
+        return seen, waited
+
+    seen, waited = await comes_back(service_s=0.6, frees_after_s=0.3)  # longer than MIN_HOLD_S: still waits
+    assert seen == "admitted" and 0.25 < waited < 0.5
+    seen, waited = await comes_back(service_s=60.0, frees_after_s=1.5)  # never beyond MAX_HOLD_S
+    assert seen == "429" and 0.95 < waited < 1.3
+
+
 async def test_a_request_waiting_beyond_the_limit_has_vllms_queue_read_at_once_not_at_the_intervals_end():
     """A burst grows the limit a step per reading: each step must not wait out the load interval."""
     from app.runtime.capacity import EngineQueue
