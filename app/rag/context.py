@@ -121,6 +121,14 @@ class PromptBuilder:
             lead.append(self.render_unit(group))
         return "".join(lead)
 
+    def leads(self, ordered: list[ContextChunk]) -> list[str]:
+        """Where a token-id prompt's head may end, longest first: after the units that open the context
+        (``lead``); after the first of them alone (pre-warm sends each unit alone, so its head is known where
+        several open a context together); after the system prompt (every prompt, pre-warm's stable prefix)."""
+        runs = _runs_of_units(ordered)
+        first = self.render_unit(runs[0]) if runs and runs[0][0].unit else ""
+        return [lead for lead in dict.fromkeys((self.lead(ordered), first, self.system_prompt)) if lead]
+
     def client_instructions(self, text: str) -> str:
         return self.templates.render("question", "client_instructions", instructions=self.inert(text))
 

@@ -235,14 +235,14 @@ class Pipeline:
                      timings_ms=times, prompt=prompt, cited={c.id: self.builder.cite(c) for c in sources})
 
     async def _prompt_ids(self, prompt: Prompt, talk: Conversation) -> list[int] | None:
-        """The prompt as token ids when its head was seen before (vLLM then need not tokenize it); the head
-        ends after the first turn's opening units, else after the system prompt: a context that opens with a
-        hit of its own (scattered hits, a conversation's later turns) is seldom sent twice, so a head ending at
-        the question would be learnt for nothing and every such prompt would go as a chat."""
+        """The prompt as token ids when one of its heads was seen before (vLLM then need not tokenize it); its
+        heads end after the first turn's opening units, after the first of them and after the system prompt,
+        and the longest seen is used. A context that opens with a hit of its own (scattered hits) is seldom
+        sent twice: a head ending at the question would be learnt for nothing, and such prompts go as chats."""
         if self.prompt_ids is None or not self.prompt_ids.active:
-            return None  # off or no tokenizer here: the lead is not rendered again for nothing
+            return None  # off or no tokenizer here: the leads are not rendered again for nothing
         return await self.prompt_ids.ids(prompt.messages, self.builder.question(talk.questions[-1]),
-                                         self.builder.lead(prompt.first_context) or self.builder.system_prompt)
+                                         self.builder.leads(prompt.first_context))
 
     def _budget(self, max_model_len: int, max_tokens: int) -> int:
         if max_tokens >= max_model_len:

@@ -4,14 +4,14 @@ A prefix-cache hit skips prefill, but vLLM's API server still renders the chat t
 prompt on every request, work that grows with the prompt (measured: docs/design.md, token-id prompts). So where
 this machine has the served model's tokenizer, the app renders the chat template itself, keeps the token ids of
 each prompt's head (the context's opening units, which every question about them shares whatever hits follow;
-else the system prompt, which every prompt shares), tokenizes only the rest and sends the ids to
-``/v1/completions``. On unless ``PREFIXRAG_VLLM__TOKEN_ID_PROMPTS=false``.
+short of those, the first of them, or the system prompt, which every prompt shares), tokenizes only the rest and
+sends the ids to ``/v1/completions``. On unless ``PREFIXRAG_VLLM__TOKEN_ID_PROMPTS=false``.
 
 Exact or unused: a head is used only after its ids, computed here, equalled vLLM's own ``/tokenize`` of a whole
-prompt, in the background (the request that first meets a head goes as a chat, as before, unless pre-warm sent
-its unit first and learnt it then); one disagreement turns the feature off until vLLM changes. Re-tokenizing from
-``MARGIN_TOKENS`` before the head's end keeps merges across the cut exact (tokenizers merge within words, never
-across this many tokens; each head's cut is checked once).
+prompt, in the background (a request none of whose heads is known goes as a chat, as before; pre-warm learns each
+unit's head and the system prompt's as it sends them); one disagreement turns the feature off until vLLM
+changes. Re-tokenizing from ``MARGIN_TOKENS`` before the head's end keeps merges across the cut exact (tokenizers
+merge within words, never across this many tokens; each head's cut is checked once).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import hashlib
 import logging
 from array import array
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -33,6 +33,7 @@ log = logging.getLogger("prefixrag.prompt_ids")
 MARGIN_TOKENS = 16
 HEADS = 512  # heads kept (one per unit, page or conversation start; ~16 KB each at 4K tokens)
 LEARNING = 2  # heads checked against vLLM at a time (background work; more wait for a later request)
+Leads = list[str] | tuple[str, ...]  # where a prompt's head may end, longest first (never a bare str)
 
 
 class PromptIds:
@@ -63,28 +64,27 @@ class PromptIds:
         if self.settings.token_id_prompts:
             self._loading = self._spawn(self._load(self.settings.tokenizer or info.root))
 
-    async def ids(self, messages: list[dict[str, Any]], question: str, lead: str = "") -> list[int] | None:
+    async def ids(self, messages: list[dict[str, Any]], question: str,
+                  leads: Leads = ()) -> list[int] | None:
         """The prompt's token ids, exactly as vLLM would make them; None: send it as a chat (no tokenizer here,
-        the head's end not found in the rendering, or the head not learnt yet: then it is learnt meanwhile). The
-        head ends after ``lead`` (the context's opening units, shared by every question about them whatever
-        follows) or, without one, where ``question`` (the rendered last question) starts."""
+        no head's end found in the rendering, or none of its heads learnt yet). The head ends after the first
+        of ``leads`` (longest first: the context's opening units, shared by every question about them whatever
+        follows; then shorter ones, e.g. the first of those units) that was learnt, or, without leads, where
+        ``question`` (the rendered last question) starts. The longest is learnt meanwhile if it was not."""
         if self.tokenizer is None:
             return None
         loop = asyncio.get_running_loop()
         try:
-            ids, head = await loop.run_in_executor(self._thread, self._known_ids, messages, question, lead)
+            ids, used, longest = await loop.run_in_executor(self._thread, self._known_ids, messages, question,
+                                                            leads)
         except Exception as exc:  # an optimisation never fails a request (e.g. the tokenizer dropped meanwhile)
             log.warning("prompt sent as a chat: its token ids failed (%s)", exc)
             return None
-        if head is None:
-            return ids
-        key = head[0]
-        if ids is not None:
-            if key in self.heads:
-                self.heads.move_to_end(key)  # on the loop: the thread only reads the heads
-        elif self._unlearnt(key) and len(self._learning) < LEARNING:
+        if used is not None and used in self.heads:
+            self.heads.move_to_end(used)  # on the loop: the thread only reads the heads
+        if longest is not None and self._unlearnt(key := longest[0]) and len(self._learning) < LEARNING:
             self._learning.add(key)
-            self._spawn(self._learn(messages, *head))
+            self._spawn(self._learn(messages, *longest))
         return ids
 
     async def learn(self, messages: list[dict[str, Any]], lead: str) -> None:
@@ -96,7 +96,7 @@ class PromptIds:
             return
         loop = asyncio.get_running_loop()
         try:
-            _, head = await loop.run_in_executor(self._thread, self._known_ids, messages, "", lead)
+            _, _, head = await loop.run_in_executor(self._thread, self._known_ids, messages, "", (lead,))
         except Exception as exc:  # the tokenizer dropped meanwhile, or failed on this text: users learn it
             log.info("a pre-warmed prompt head was not learnt: %s", exc)
             return
@@ -121,19 +121,19 @@ class PromptIds:
         task.add_done_callback(self._tasks.discard)
         return task
 
-    def _known_ids(self, messages: list[dict[str, Any]], question: str,
-                   lead: str) -> tuple[list[int] | None, tuple[Any, ...] | None]:
-        """(ids or None, (head key, rendered prompt, where the head ends) or None if that was not found)."""
+    def _known_ids(self, messages: list[dict[str, Any]], question: str, leads: Leads
+                   ) -> tuple[list[int] | None, bytes | None, tuple[bytes, str, int] | None]:
+        """(ids or None, the key of the head they used or None, (the longest head's key, the rendered prompt,
+        where that head ends) or None if no head's end was found)."""
         text = self._render(messages)
-        at = text.find(lead) if lead else -1  # one scan of the prompt, not a membership test and then a find
-        cut = at + len(lead) if at >= 0 else text.rfind(question)
-        if cut <= 0:
-            return None, None
-        key = hashlib.blake2b(text[:cut].encode(), digest_size=16).digest()
-        if (head := self.heads.get(key)) is None:
-            return None, (key, text, cut)
-        head_ids, tail_start = head
-        return head_ids.tolist() + self._encode(text[tail_start:]), (key, text, cut)
+        longest = None
+        for cut in _cuts(text, question, leads):
+            key = hashlib.blake2b(text[:cut].encode(), digest_size=16).digest()
+            longest = longest or (key, text, cut)
+            if (head := self.heads.get(key)) is not None:
+                head_ids, tail_start = head
+                return head_ids.tolist() + self._encode(text[tail_start:]), key, longest
+        return None, None, longest
 
     async def _learn(self, messages: list[dict[str, Any]], key: bytes, text: str, cut: int) -> None:
         try:
@@ -194,6 +194,18 @@ class PromptIds:
             return
         log.info("token-id prompts on: tokenizer from %s", path)
         self._loaded()
+
+
+def _cuts(text: str, question: str, leads: Leads) -> Iterator[int]:
+    """Where each lead found in ``text`` ends (in the order given), or, where none is, where ``question``
+    starts (its last occurrence)."""
+    found = False
+    for lead in leads:
+        if lead and (at := text.find(lead)) >= 0:  # one scan each, not a membership test and then a find
+            found = True
+            yield at + len(lead)
+    if not found and (at := text.rfind(question)) > 0:
+        yield at
 
 
 def _remember(table: OrderedDict[bytes, Any], key: bytes, value: Any) -> None:

@@ -109,3 +109,16 @@ def test_an_assistant_turn_sent_back_by_the_client_is_inert(builder):
     assistant = messages[2]["content"]
     assert messages[2]["role"] == "assistant" and "<|im_start|>" not in assistant and "</document>" not in assistant
     assert "Obey me." in assistant  # neutralised, not dropped
+
+
+def test_a_prompts_heads_end_after_its_opening_units_then_the_first_of_them_then_the_system_prompt(builder):
+    from dataclasses import replace
+
+    a = [replace(chunk("a.md", i), unit="a.md") for i in range(2)]
+    b = [replace(chunk("b.md", 0), unit="b.md")]
+    context = a + b + [chunk("c.md", 3)]
+    content = builder.messages(context, "q")[1]["content"]
+    both, first = builder.render_unit(a) + builder.render_unit(b), builder.render_unit(a)
+    assert builder.leads(context) == [both, first, builder.system_prompt] and both in content
+    assert builder.leads(a + [chunk("c.md", 3)]) == [first, builder.system_prompt]  # one unit: once
+    assert builder.leads([chunk("c.md", 3)] + a) == [builder.system_prompt]  # a hit of its own opens it

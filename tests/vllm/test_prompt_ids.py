@@ -53,7 +53,7 @@ class Client:
                 {"role": "user", "content": context + self.builder.question(question)}]
 
     async def ids(self, question: str, extra: str = "") -> list[int] | None:
-        return await self.prompt_ids.ids(self.messages(question, extra), self.builder.question(question), LEAD)
+        return await self.prompt_ids.ids(self.messages(question, extra), self.builder.question(question), (LEAD,))
 
     async def close(self) -> None:
         await self.services.aclose()
@@ -88,9 +88,32 @@ def test_a_context_opening_with_a_hit_of_its_own_goes_as_ids_after_the_system_pr
         for question, extra in QUESTIONS:  # other hits, other questions: nothing shared after the system prompt
             messages = [{"role": "system", "content": system},
                         {"role": "user", "content": f"<documents>\n{extra}</documents>\n" + builder.question(question)}]
-            ids = await client.prompt_ids.ids(messages, builder.question(question), system)
+            ids = await client.prompt_ids.ids(messages, builder.question(question), (system,))
             assert ids is not None and ids == await client.llm.tokenize(messages)
         assert len(client.prompt_ids.heads) == 1
+        await client.close()
+
+    asyncio.run(run())
+
+
+def test_where_several_units_open_a_context_the_first_ones_head_serves_and_the_whole_lead_is_learnt(vllm_url,
+                                                                                                     embedder):
+    """Small documents come several to a prompt: the head of the first unit (pre-warm sent it alone) serves that
+    prompt at once, and the whole lead is learnt meanwhile, for the next question on the same units."""
+    async def run():
+        client = await Client.open(vllm_url, embedder)
+        await client.upstream.refresh()
+        await until(lambda: client.prompt_ids.active)
+        await client.prompt_ids.learn(client.messages("warm?"), LEAD)  # as pre-warm does with a unit
+        assert len(client.prompt_ids.heads) == 1
+        second = '<document id="second">\nThe second unit of this context.\n</document>\n'
+        leads = (LEAD + second, LEAD, client.builder.system_prompt)
+        for number, question in enumerate(("Which unit?", "And now?", "Once more?")):
+            messages = client.messages(question, second)
+            ids = await client.prompt_ids.ids(messages, client.builder.question(question), leads)
+            assert ids is not None and ids == await client.llm.tokenize(messages)
+            if number == 0:
+                await until(lambda: len(client.prompt_ids.heads) == 2)  # the whole lead, learnt meanwhile
         await client.close()
 
     asyncio.run(run())
