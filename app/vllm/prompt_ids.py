@@ -69,8 +69,8 @@ class PromptIds:
         """The prompt's token ids, exactly as vLLM would make them; None: send it as a chat (no tokenizer here,
         no head's end found in the rendering, or none of its heads learnt yet). The head ends after the first
         of ``leads`` (longest first: the context's opening units, shared by every question about them whatever
-        follows; then shorter ones, e.g. the first of those units) that was learnt, or, without leads, where
-        ``question`` (the rendered last question) starts. The longest is learnt meanwhile if it was not."""
+        follows; then shorter ones, e.g. the first of those units) that was learnt, or, where no lead is found,
+        where ``question`` (the rendered last question) starts. The longest is learnt meanwhile if it was not."""
         if self.tokenizer is None:
             return None
         loop = asyncio.get_running_loop()
