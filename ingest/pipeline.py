@@ -131,6 +131,8 @@ def _write_and_prune(files: Any, submit: Any, depth: int, stored: dict[str, Stor
             if result.skipped_unchanged:
                 seen_docs.update(ids_by_source[result.rel])
                 report.files_unchanged += 1
+                for doc_id in ids_by_source[result.rel]:
+                    _record_size(stored[doc_id], writer)
             else:
                 _ingest_file(result, stored, writer, report, seen_docs)
             if result.error is None:
@@ -283,6 +285,12 @@ def prefetched(items: list[Any], submit: Callable[..., Any], depth: int, report:
         yield result
 
 
+def _record_size(stored: StoredDocument, writer: ChunkWriter) -> None:
+    """An unchanged file stored before ingest recorded its size gets it now (once: the inventory then has it)."""
+    if stored.unsized:
+        writer.record_size(stored.ids)
+
+
 def _ingest_file(result: FileResult, stored: dict[str, StoredDocument], writer: ChunkWriter,
                  report: IngestReport, seen_docs: set[str]) -> None:
     if result.error is not None:
@@ -300,6 +308,7 @@ def _ingest_file(result: FileResult, stored: dict[str, StoredDocument], writer: 
             statuses.add("unchanged")
             if (previous.file_hash, previous.source) != (result.file_hash, result.rel):  # its file changed
                 writer.relabel(previous.ids, result.file_hash, result.rel)  # elsewhere, or it moved: relabel only
+            _record_size(previous, writer)
             continue
         statuses.add("added" if previous is None else "updated")
         writer.add_document(document, chunks, doc_hash, previous.ids if previous else [])

@@ -26,7 +26,7 @@ class IngestReport:
     chunks_written: int = 0
     chunks_embedded: int = 0
     chunks_deleted: int = 0
-    chunks_relabeled: int = 0  # metadata-only updates (file hash) of chunks whose text did not change
+    chunks_relabeled: int = 0  # metadata-only updates (file hash, path, size) of chunks whose text did not change
     seconds: float = 0.0
     # Where the run's own thread spent its time, seconds: "scan" (what is stored), "load" (waiting for files to be
     # loaded and chunked), "embed", "store" (waiting for Chroma's writes), "indexes" (BM25 and pages rebuilt).

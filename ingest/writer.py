@@ -154,15 +154,27 @@ class ChunkWriter:
     def relabel(self, ids: list[str], file_hash: str, source: str) -> None:
         """Record a new file (its hash, its path) on chunks whose content did not change: a record moved to
         another file, or its file changed elsewhere (a metadata-only write)."""
+        self._update_metadata(ids, {"file_hash": file_hash, "source": source})
+
+    def record_size(self, ids: list[str]) -> None:
+        """Record a file's size (``parent_chars``: its chunks' characters, as ``add_document`` counts them) on
+        its chunks, written before ingest recorded it: the service then reads a window of a big file alone.
+        Once per such file, a metadata-only write."""
+        if self.dry_run:
+            return
+        self._settled()
+        chars = sum(len(text) for batch in self._batches(ids)
+                    for text in self.collection.get(ids=batch, include=["documents"])["documents"])
+        self._update_metadata(ids, {"parent_chars": chars})
+
+    def _update_metadata(self, ids: list[str], changes: dict[str, Any]) -> None:
         if self.dry_run:
             return
         self._settled()
         self._changing()
         for batch in self._batches(ids):
             current = self.collection.get(ids=batch, include=["metadatas"])
-            self.collection.update(ids=current["ids"],
-                                   metadatas=[meta | {"file_hash": file_hash, "source": source}
-                                              for meta in current["metadatas"]])
+            self.collection.update(ids=current["ids"], metadatas=[meta | changes for meta in current["metadatas"]])
         self.report.chunks_relabeled += len(ids)
 
     def delete_documents(self, ids_by_doc: dict[str, list[str]]) -> None:

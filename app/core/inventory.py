@@ -21,7 +21,7 @@ from app.core.settings import ChromaSettings
 from app.core.store import all_rows, derived_dir, stamp_of
 
 ROWS_READ = ["metadatas"]  # what taking the inventory reads of each row
-FORMAT = 2  # on the stamp's line: a record of another layout is not read (the rows are)
+FORMAT = 3  # on the stamp's line: a record of another layout is not read (the rows are)
 
 
 @dataclass
@@ -32,10 +32,17 @@ class StoredDocument:
     ids: list[str]
     file_hash: str = ""  # hash of the raw source file: equal and complete -> the file need not even be parsed
     parent: str = ""  # the parent it belongs to for units and pages (``ChunkRecord.parent_key``)
+    kind: str = ""  # ``ChunkRecord.kind``: "jsonl" for a record of a jsonl file
+    parent_chars: int = -1  # ``ChunkRecord.parent_chars`` of its first row read (-1: not recorded)
 
     @property
     def complete(self) -> bool:
         return bool(self.doc_hash) and len(self.ids) == self.n_chunks
+
+    @property
+    def unsized(self) -> bool:
+        """A file's document whose rows were written before ingest recorded the file's size (``parent_chars``)."""
+        return self.kind != "jsonl" and self.parent_chars < 0 and self.complete
 
 
 class DocumentRows:
@@ -48,7 +55,8 @@ class DocumentRows:
         for chunk_id, meta in zip(rows["ids"], rows["metadatas"]):
             record = ChunkRecord.from_metadata(meta)
             entry = self.documents.setdefault(record.doc_id, StoredDocument(
-                record.doc_hash, record.n_chunks, record.source, [], record.file_hash, record.parent_key))
+                record.doc_hash, record.n_chunks, record.source, [], record.file_hash, record.parent_key,
+                record.kind, record.parent_chars))
             if record.doc_hash != entry.doc_hash:
                 entry.doc_hash = ""  # mixed generations (an interrupted update): never "unchanged"
             if record.file_hash != entry.file_hash:

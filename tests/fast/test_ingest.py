@@ -76,6 +76,27 @@ def test_a_rerun_takes_what_is_stored_from_the_last_runs_record_and_never_a_stal
     assert inventory.stored_documents(collection_of(settings, embedder), settings.chroma) == from_rows
 
 
+def test_an_unchanged_file_stored_before_its_size_was_recorded_gets_it_once(tmp_path, settings_factory, embedder):
+    """Rows written before ingest recorded a file's size (``parent_chars``, what lets the service read a window of
+    a big file alone) get it from the next run, as a metadata-only write: nothing re-embedded, the rows then as a
+    fresh ingest writes them, and the run after that writes nothing."""
+    from app.core.store import mark_changed
+
+    corpus = write_corpus(tmp_path / "corpus")
+    settings = settings_factory()
+    run_ingest([corpus], settings, embedder)
+    written = snapshot(settings, embedder)
+    files = {i for i, (_, meta) in written.items() if meta["kind"] != "jsonl"}
+    assert files and all(meta["parent_chars"] > 0 for i, (_, meta) in written.items() if i in files)
+    collection = collection_of(settings, embedder)  # as an older ingest left them: the size unknown (-1)
+    collection.update(ids=list(written), metadatas=[meta | {"parent_chars": -1} for _, meta in written.values()])
+    mark_changed(collection)
+    upgraded = run_ingest([corpus], settings, embedder)
+    assert upgraded.chunks_relabeled == len(files) and upgraded.chunks_embedded == 0 and upgraded.chunks_written == 0
+    assert upgraded.files_unchanged == 5 and snapshot(settings, embedder) == written
+    assert run_ingest([corpus], settings, embedder).writes == 0
+
+
 def test_a_runs_indexes_are_saved_under_its_final_stamp_before_services_can_see_that_stamp(
         tmp_path, settings_factory, embedder, monkeypatch):
     """A service reloads when the stamp moves; at that moment BM25, the pages and the inventory beside the
