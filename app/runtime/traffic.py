@@ -56,6 +56,7 @@ class LiveTraffic:
         self.max_in_flight, self.max_queued, self.auto = max_in_flight, max_queued, auto
         self.running = 0  # admitted requests holding an in-flight place
         self._waiting: collections.deque[asyncio.Future[None]] = collections.deque()
+        self._returning: set[asyncio.Future[None]] = set()  # places of returning clients: the front of _waiting
         self.present = 0  # user requests admitted: in flight or queued
         self.refused = 0
         self.yields = 0  # background requests aborted for a user (``Background`` counts them)
@@ -210,6 +211,7 @@ class LiveTraffic:
         self.max_in_flight = limit
         while self._waiting and self.running < self.max_in_flight:
             place = self._waiting.popleft()
+            self._returning.discard(place)
             if place.done():  # its request was cancelled while it waited: the place goes to the next one
                 continue
             self.running += 1
@@ -222,8 +224,9 @@ class LiveTraffic:
             self.running += 1
             return
         place = asyncio.get_running_loop().create_future()
-        if hold_s:
-            self._waiting.appendleft(place)  # it waited once already: the next place freed is its
+        if hold_s:  # it waited once already: ahead of the queue, behind those that came back before it
+            self._waiting.insert(len(self._returning), place)
+            self._returning.add(place)
         else:
             self._waiting.append(place)
         try:
@@ -235,6 +238,7 @@ class LiveTraffic:
             if place.done():  # given a place just as the wait ended: keep it
                 return
             self._waiting.remove(place)
+            self._returning.discard(place)
             raise self._refusal() from None
         except asyncio.CancelledError:
             if place.done() and not place.cancelled():
@@ -242,11 +246,13 @@ class LiveTraffic:
             else:
                 with contextlib.suppress(ValueError):  # already passed over by _set_limit
                     self._waiting.remove(place)
+                self._returning.discard(place)
             raise
 
     def _end_waits(self) -> None:
         """The drain time is over: a request still queued for a place gets ``ShuttingDown`` (a 503 its client can
         tell from a crash), not a cut connection when the server closes."""
+        self._returning.clear()
         while self._waiting:
             place = self._waiting.popleft()
             if not place.done():

@@ -203,6 +203,32 @@ async def test_a_client_that_comes_back_when_told_waits_for_the_next_place_and_o
     await holder
 
 
+async def test_clients_that_came_back_get_the_places_freed_in_the_order_they_came_back():
+    from app.runtime.returns import CLIENT
+
+    traffic, release = LiveTraffic(1, 0), asyncio.Event()
+    holder = asyncio.create_task(held_until(traffic, release))
+    await asyncio.sleep(0.01)
+    admitted = []
+
+    async def ask(client: str) -> None:
+        CLIENT.set(client)
+        async with traffic.slot():
+            admitted.append(client)
+
+    for client in ("10.0.0.1:1", "10.0.0.2:2", "10.0.0.3:3"):
+        with pytest.raises(Overloaded):
+            await ask(client)
+    await asyncio.sleep(1.05)  # the Retry-After they were told
+    returns = []
+    for client in ("10.0.0.2:2", "10.0.0.1:1", "10.0.0.3:3"):  # back in this order, each waiting for a place
+        returns.append(asyncio.create_task(ask(client)))
+        await asyncio.sleep(0.01)
+    release.set()
+    await asyncio.gather(holder, *returns)
+    assert admitted == ["10.0.0.2:2", "10.0.0.1:1", "10.0.0.3:3"]
+
+
 async def test_a_client_that_came_back_waits_about_as_long_as_requests_hold_their_places(monkeypatch):
     """Places can free in waves a service time apart (answers admitted together end together): a returning
     client's wait follows the recent service time, within its bounds, not a fixed few seconds."""
