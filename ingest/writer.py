@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -163,19 +163,23 @@ class ChunkWriter:
         if self.dry_run:
             return
         self._settled()
-        chars = sum(len(text) for batch in self._batches(ids)
-                    for text in self.collection.get(ids=batch, include=["documents"])["documents"])
-        self._update_metadata(ids, {"parent_chars": chars})
+        stored = [self.collection.get(ids=batch, include=["documents", "metadatas"]) for batch in self._batches(ids)]
+        chars = sum(len(text) for rows in stored for text in rows["documents"])
+        self._write_metadata(stored, {"parent_chars": chars}, len(ids))
 
     def _update_metadata(self, ids: list[str], changes: dict[str, Any]) -> None:
         if self.dry_run:
             return
         self._settled()
+        batches = (self.collection.get(ids=batch, include=["metadatas"]) for batch in self._batches(ids))
+        self._write_metadata(batches, changes, len(ids))
+
+    def _write_metadata(self, stored: Iterable[dict[str, Any]], changes: dict[str, Any], count: int) -> None:
+        """``changes`` on each batch of ``stored`` rows (read batch by batch as they are written, where lazy)."""
         self._changing()
-        for batch in self._batches(ids):
-            current = self.collection.get(ids=batch, include=["metadatas"])
-            self.collection.update(ids=current["ids"], metadatas=[meta | changes for meta in current["metadatas"]])
-        self.report.chunks_relabeled += len(ids)
+        for rows in stored:
+            self.collection.update(ids=rows["ids"], metadatas=[meta | changes for meta in rows["metadatas"]])
+        self.report.chunks_relabeled += count
 
     def delete_documents(self, ids_by_doc: dict[str, list[str]]) -> None:
         self._settled()

@@ -7,6 +7,7 @@ the question, and vLLM's prefix cache serves that shared part.
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from dataclasses import dataclass
 from functools import cached_property
@@ -114,20 +115,20 @@ class PromptBuilder:
         """The rendered units that open the context (a unit, a page's documents, the corpus): the part of the
         prompt that questions about them share, whatever follows it; "" when the context opens with a chunk of
         its own (then the whole context is what a question shares with others on the same set)."""
-        lead = []
-        for group in _runs_of_units(ordered):
-            if not group[0].unit:
-                break
-            lead.append(self.render_unit(group))
-        return "".join(lead)
+        return "".join(self._opening_units(ordered))
 
     def leads(self, ordered: list[ContextChunk]) -> list[str]:
         """Where a token-id prompt's head may end, longest first: after the units that open the context
         (``lead``); after the first of them alone (pre-warm sends each unit alone, so its head is known where
         several open a context together); after the system prompt (every prompt, pre-warm's stable prefix)."""
-        runs = _runs_of_units(ordered)
-        first = self.render_unit(runs[0]) if runs and runs[0][0].unit else ""
-        return [lead for lead in dict.fromkeys((self.lead(ordered), first, self.system_prompt)) if lead]
+        opening = self._opening_units(ordered)
+        first = opening[0] if opening else ""
+        return [lead for lead in dict.fromkeys(("".join(opening), first, self.system_prompt)) if lead]
+
+    def _opening_units(self, ordered: list[ContextChunk]) -> list[str]:
+        """The rendered units the context opens with, in order, up to its first chunk of its own."""
+        groups = itertools.takewhile(lambda group: bool(group[0].unit), _runs_of_units(ordered))
+        return [self.render_unit(group) for group in groups]
 
     def client_instructions(self, text: str) -> str:
         return self.templates.render("question", "client_instructions", instructions=self.inert(text))
