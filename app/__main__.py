@@ -71,6 +71,9 @@ def main(argv: list[str] | None = None) -> int:
                     timeout_graceful_shutdown=math.ceil(settings.traffic.drain_s), **options)
         return 0
     app = _create(settings)
+    from app.serve.refusal_protocol import refusing_protocol
+
+    options["http"] = refusing_protocol(app)
     DrainingServer(uvicorn.Config(app, **options), app, settings.traffic.drain_s, logs).run()
     return 0
 

@@ -15,7 +15,7 @@ from app.core.settings import Settings
 from app.serve.edge import RequestEdge
 from app.serve.http_errors import install_error_handlers
 from app.serve.observability import observe
-from app.serve.refusals import Refusals
+from app.serve.refusals import RefusalDesk, Refusals
 from app.serve.tenants import Tenants
 from app.vllm.client import LLMClient
 
@@ -71,7 +71,9 @@ def create_app(settings: Settings | None = None, *, embedder: Embedder | None = 
     app.add_middleware(RequestEdge, max_body_bytes=settings.service.max_body_bytes,
                        max_upload_bytes=settings.service.max_upload_bytes, tenants=tenants)
     record = observe(app, metrics)
-    app.add_middleware(Refusals, tenants=tenants, record=record)  # outside the request id and metrics layers
+    # Also for ``app.serve.refusal_protocol``, unless CORS headers must be added to a refusal.
+    app.state.refusals = RefusalDesk(tenants, record, app.state, in_parser=not settings.service.cors_origins)
+    app.add_middleware(Refusals, desk=app.state.refusals)  # outside the request id and metrics layers
     if settings.service.cors_origins:
         from starlette.middleware.cors import CORSMiddleware
 

@@ -4,8 +4,6 @@ CORS from a real browser."""
 
 from __future__ import annotations
 
-import asyncio
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -18,7 +16,7 @@ from app.core.settings import Settings
 from app.serve.app import create_app
 from tests.support.corpora import app_settings
 from tests.support.fake_app import ask, serve
-from tests.support.fakes import FakeVLLM
+from tests.support.fakes import FakeVLLM, GatedVLLM
 from tests.support.servers import AppServer, browser_page, http_requests, static_site
 
 
@@ -75,29 +73,23 @@ def test_the_api_key_is_a_bearer_scheme_in_the_openapi_schema_and_is_enforced(no
     assert set(ready_open) == {"ready", "reason"} and "warmup" in ready_keyed
 
 
-class GatedVLLM(FakeVLLM):
-    """Answers only once ``gate`` is set: its requests hold their places of admission until then."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.gate = threading.Event()
-
-    async def stream_chat(self, request, result, prompt_ids=None):
-        while not self.gate.is_set():
-            await asyncio.sleep(0.01)
-        async for delta in super().stream_chat(request, result, prompt_ids):
-            yield delta
-
-
-def test_a_question_beyond_capacity_is_refused_at_the_edge_before_its_body_is_read(notes, embedder):
-    """... by the outermost layer, which still gives the refusal a request id and counts it in the HTTP metrics."""
+@pytest.mark.parametrize("http", [None, "httptools"])
+def test_a_question_beyond_capacity_is_refused_at_the_edge_before_its_body_is_read(notes, embedder, http):
+    """... in the HTTP parser as ``python -m app`` serves (never reaching the app), else by the app's outermost
+    layer; either way with a request id, counted in the HTTP metrics."""
     chroma, _, _ = notes
     llm = GatedVLLM()
     settings = app_settings(chroma, "http://unused/v1", collection="notes", hotness_dir=None)
     settings.traffic.max_in_flight = 1
     broken = {"content": b'{"question": "What?", ', "headers": {"content-type": "application/json"}, "timeout": 30}
     traced = {"content-type": "application/json", "X-Request-ID": "storm-7"}
-    with AppServer(create_app(settings, embedder=embedder, llm=llm)) as server, ThreadPoolExecutor(1) as pool:
+    app, reached = create_app(settings, embedder=embedder, llm=llm), []
+
+    async def counted_app(scope, receive, send):  # what uvicorn hands to the app
+        reached.append(scope.get("path"))
+        await app(scope, receive, send)
+
+    with AppServer(app, http=http, asgi=counted_app) as server, ThreadPoolExecutor(1) as pool:
         server.wait_ready()
         traffic = server.app.state.services.traffic
         held = pool.submit(ask, server, question="What?")  # takes the one place, and keeps it while gated
@@ -108,6 +100,7 @@ def test_a_question_beyond_capacity_is_refused_at_the_edge_before_its_body_is_re
         refused = [httpx.post(server.url + "/ask", **broken),
                    httpx.post(server.url + "/v1/chat/completions", **broken | {"headers": traced})]
         counted = http_requests(httpx.get(server.url + "/metrics", timeout=10).text)
+        reached_when_refused = len(reached)
         llm.gate.set()
         answered = held.result(timeout=30)
         unparsed = httpx.post(server.url + "/ask", **broken)  # with room: the same body is read, and is bad JSON
@@ -118,6 +111,8 @@ def test_a_question_beyond_capacity_is_refused_at_the_edge_before_its_body_is_re
     assert len(refused[0].headers["x-request-id"]) == 32 and refused[1].headers["x-request-id"] == "storm-7"
     assert [counted.get(key, 0) - before.get(key, 0) for key in [("/ask", "POST", "429"),
                                                                  ("/v1/chat/completions", "POST", "429")]] == [1, 1]
+    refused_in_app = reached[:reached_when_refused].count("/ask") - 1  # less the one answered
+    assert refused_in_app + reached[:reached_when_refused].count("/v1/chat/completions") == (0 if http is None else 2)
 
 
 def test_streams_are_server_sent_events_for_ask_and_for_the_openai_client(notes, embedder):

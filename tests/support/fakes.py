@@ -7,8 +7,10 @@ the leading blocks already seen. Over-long prompts get vLLM's 400. The answer te
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import hashlib
+import threading
 from types import SimpleNamespace
 
 from app.core.errors import ContextTooLong
@@ -98,3 +100,17 @@ class FakeVLLM(LLMClient):
 
     async def reset_prefix_cache(self) -> None:
         self.blocks.clear()
+
+
+class GatedVLLM(FakeVLLM):
+    """Answers only once ``gate`` is set: its requests hold their places of admission until then."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = threading.Event()
+
+    async def stream_chat(self, request, result, prompt_ids=None):
+        while not self.gate.is_set():
+            await asyncio.sleep(0.01)
+        async for delta in super().stream_chat(request, result, prompt_ids):
+            yield delta

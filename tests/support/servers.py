@@ -18,6 +18,7 @@ import httpx
 import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
+from app.serve.refusal_protocol import refusing_protocol
 from app.vllm.process import free_port, wait_for_http
 
 # A probe (/readyz, /metrics) normally answers in milliseconds, but the app here shares 2 cores (and, in process,
@@ -62,13 +63,17 @@ def reset_prefix_cache(vllm_url: str) -> None:
 
 
 class AppServer:
-    """The real app on a real port, in a background thread (uvicorn runs its lifespan)."""
+    """The real app on a real port, in a background thread (uvicorn runs its lifespan), served as ``python -m app``
+    serves it (refusals in the HTTP parser) unless ``http`` names another of uvicorn's protocols; ``asgi``: the
+    ASGI callable given to uvicorn, when it wraps ``app``."""
 
-    def __init__(self, app) -> None:
+    def __init__(self, app, http: str | None = None, asgi=None) -> None:
         self.app = app
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        config = uvicorn.Config(asgi or app, host="127.0.0.1", port=self.port, log_level="warning",
+                                http=http or refusing_protocol(app))
+        self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     def __enter__(self) -> AppServer:
