@@ -3,6 +3,7 @@ prefilled, tokens generated; and a bounded wait for a condition."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import httpx
@@ -36,3 +37,31 @@ def wait_until(predicate, timeout: float, what: str) -> float:
             raise AssertionError(f"{what}: not within {timeout} s")
         time.sleep(0.1)
     return time.monotonic() - started
+
+
+class MachineStalls:
+    """How long this machine stood still for the test's own process, while in the ``with`` block: a thread sleeping
+    in short steps sums how late it woke beyond a small slack. A bound on another process's timing (an app's drain)
+    may allow for it, so that it checks what that process did, not whether the 2-core VM beside a CPU vLLM ran at
+    all; a process stalled alone (its own lock, its own loop) still fails the bound."""
+
+    STEP_S, SLACK_S = 0.05, 0.05
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+
+    def __enter__(self) -> MachineStalls:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _watch(self) -> None:
+        while not self._stop.is_set():
+            started = time.monotonic()
+            time.sleep(self.STEP_S)
+            self.seconds += max(0.0, time.monotonic() - started - self.STEP_S - self.SLACK_S)

@@ -22,7 +22,7 @@ from app.vllm.prometheus import metric_total
 from tests.support.corpora import app_settings
 from tests.support.env import ROOT
 from tests.support.servers import PROBE_TIMEOUT, AppServer
-from tests.support.vllm_state import IGNORE_EOS, LONG, running, vllm_counters, wait_until
+from tests.support.vllm_state import IGNORE_EOS, LONG, MachineStalls, running, vllm_counters, wait_until
 
 DRAIN_S = 8  # the SIGTERM test's drain time (s)
 
@@ -154,8 +154,9 @@ def test_sigterm_drains_then_ends_each_stream_with_a_terminal_event_and_exits_le
         for thread in threads:
             thread.start()
         wait_until(lambda: running(vllm_url) >= 2, 90, "both answers decoding in vLLM")  # cold prefills, 2 busy cores
-        app.send_signal(signal.SIGTERM)
-        exited = wait_until(lambda: app.poll() is not None, 30, "the app exiting after its drain time")
+        with MachineStalls() as stalls:
+            app.send_signal(signal.SIGTERM)
+            exited = wait_until(lambda: app.poll() is not None, 30, "the app exiting after its drain time")
         for thread in threads:
             thread.join(10)
         wait_until(lambda: running(vllm_url) == 0, 10, "no orphaned vLLM work")
@@ -163,8 +164,11 @@ def test_sigterm_drains_then_ends_each_stream_with_a_terminal_event_and_exits_le
         app.kill()
         output = app.communicate()[0]
     assert app.returncode in (0, -signal.SIGTERM), output  # uvicorn re-raises the signal once it has shut down
-    # Streams end 2 s before the drain time is over; the rest is teardown, on 2 cores vLLM keeps busy.
-    assert DRAIN_S - 2 <= exited <= DRAIN_S + 3, f"in flight for the drain time, no more: {exited:.1f} s\n{output}"
+    # Streams end 2 s before the drain time is over; the rest is teardown, on 2 cores vLLM keeps busy (and keeps
+    # everything from running at times: that time is not the app's).
+    assert DRAIN_S - 2 <= exited <= DRAIN_S + 3 + stalls.seconds, (
+        f"in flight for the drain time, no more: {exited:.1f} s (the machine stood still {stalls.seconds:.1f} s)\n"
+        f"{output}")
     ask, chat = ends.get("ask", ["cut off"] * 2), ends.get("chat", ["cut off"] * 2)  # none: the body was incomplete
     assert ask[0] == "event: error" and '"shutting_down"' in ask[1], f"{ends}\n{output}"
     assert '"shutting_down"' in chat[0] and chat[1] == "data: [DONE]", f"{ends}\n{output}"
