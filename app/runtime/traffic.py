@@ -61,6 +61,8 @@ class LiveTraffic:
         self.refused = 0
         self.yields = 0  # background requests aborted for a user (``Background`` counts them)
         self.service_s = 1.0  # moving average of how long a request holds its slot (for Retry-After)
+        self._first_place_at: float | None = None  # when the first request took a place (monotonic s)
+        self._ended = 0  # requests that held a place and gave it back
         self._idle, self._busy = asyncio.Event(), asyncio.Event()
         self._idle.set()
         self._room_until = 0.0  # vLLM queued nothing at its last reading, which counts until then
@@ -134,17 +136,20 @@ class LiveTraffic:
         ``auto`` once a reading of vLLM's queue shows no room); a request that came back when its Retry-After
         said (``Returns``) waits for the next place freed instead, for a while."""
         admissible = await self._admissible()
-        hold_s = 0.0 if admissible else self.returns.hold_s(self.service_s)  # came back when told: may wait
+        hold_s = 0.0 if admissible else self.returns.hold_s(self.service_time_s())  # came back when told: may wait
         if not admissible and not hold_s:
             raise self._refusal()
         self._arrive()
         try:
             await self._take_place(hold_s)
             started = time.monotonic()
+            if self._first_place_at is None:
+                self._first_place_at = started
             try:
                 yield
             finally:
                 self.service_s = 0.8 * self.service_s + 0.2 * (time.monotonic() - started)
+                self._ended += 1
                 self._free_place()
         finally:
             self._leave()
@@ -266,7 +271,16 @@ class LiveTraffic:
     def retry_after_s(self) -> int:
         """Seconds until a place is likely free: the queue ahead, drained ``max_in_flight`` at a time."""
         waves = (self.queued + 1) / self.max_in_flight
-        return max(1, min(MAX_RETRY_AFTER_S, math.ceil(waves * self.service_s)))
+        return max(1, min(MAX_RETRY_AFTER_S, math.ceil(waves * self.service_time_s())))
+
+    def service_time_s(self) -> float:
+        """How long a request holds its place: the recent average; until a first request has ended (a burst
+        at start-up), at least as long as the first one has held its place so far, not the average's first guess:
+        a storm's first wave of answers ends together, and a client told to come back after the guess would be
+        refused again before any place freed."""
+        if self._ended or self._first_place_at is None:
+            return self.service_s
+        return max(self.service_s, time.monotonic() - self._first_place_at)
 
     def engine_has_room(self) -> bool:
         """vLLM's last reading of its queue (``auto`` only), still fresh, showed no request waiting."""

@@ -291,3 +291,30 @@ async def test_a_request_waiting_beyond_the_limit_has_vllms_queue_read_at_once_n
             assert traffic.max_in_flight == traffic.running == 8 and traffic.refused == 0 and llm.reads == 2
     finally:
         reader.cancel()
+
+
+async def test_before_any_answer_has_ended_a_returning_client_waits_as_long_as_the_first_has_held_its_place(
+        monkeypatch):
+    """A storm at start-up: the first answers are all still running, so the average service time is only its
+    first guess (1 s); a client told to come back then would wait about that long and be refused again just before
+    the first wave ends. The time the first request has held its place bounds the service time from below."""
+    from app.runtime import returns
+    from app.runtime.returns import CLIENT
+
+    monkeypatch.setattr(returns, "MIN_HOLD_S", 0.1)
+    traffic, release = LiveTraffic(1, 0), asyncio.Event()
+    holder = asyncio.create_task(held_until(traffic, release))
+    await asyncio.sleep(0.6)  # the first answer has held its place for a while, and has not ended
+    CLIENT.set("10.0.0.1:1")
+    with pytest.raises(Overloaded) as refused:
+        await hold(traffic, 1, contextlib.AsyncExitStack())
+    assert refused.value.retry_after_s == 1
+    await asyncio.sleep(1.05)  # back when told: the first has held its place ~1.7 s by now
+    loop = asyncio.get_running_loop()
+    loop.call_later(1.3, release.set)  # longer than the average's first guess
+    started = loop.time()
+    async with traffic.slot():
+        waited = loop.time() - started
+    await holder
+    assert 1.25 < waited < 1.6
+    assert traffic.service_time_s() < 2.5  # once answers end, their average again
