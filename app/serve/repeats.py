@@ -5,6 +5,7 @@ it is; then one line per interval counts those held back; one line says when the
 from __future__ import annotations
 
 import atexit
+import collections
 import logging
 import math
 import threading
@@ -29,6 +30,7 @@ class Repeats(logging.Filter):
         self.interval_s = interval_s
         self._episodes: dict[tuple[object, ...], Episode] = {}
         self._lock = threading.Lock()
+        self._late: collections.deque[tuple[tuple[object, ...], logging.LogRecord, float]] = collections.deque()
         self._reported = time.monotonic()
 
     def start(self) -> Repeats:
@@ -43,22 +45,37 @@ class Repeats(logging.Filter):
         self.flush(math.inf)
 
     def filter(self, record: logging.LogRecord) -> bool:
+        """Log it (the first of its kind), or hold it back and count it. Never waits for the summary thread: the
+        caller is mostly the serving loop (a 429's access line, hundreds a second under a retry storm), and that
+        thread, holding the lock, may wait for a core or the GIL for tens of milliseconds; a record arriving then
+        is counted when the summary thread next takes the lock."""
         kind = failure_kind(record)
         if kind is None or getattr(record, SUMMARY, False):
             return True
         now = time.monotonic()
-        with self._lock:
-            episode = self._episodes.get(kind)
-            if episode is None:
-                self._episodes[kind] = Episode(record, now, now)
-                return True
-            episode.last, episode.held, episode.total = now, episode.held + 1, episode.total + 1
-            return False
+        if not self._lock.acquire(blocking=False):
+            self._late.append((kind, record, now))  # deque.append: safe without the lock
+            return kind not in self._episodes  # the first of its kind is logged (rarely, two firsts are)
+        try:
+            return self._count(kind, record, now)
+        finally:
+            self._lock.release()
+
+    def _count(self, kind: tuple[object, ...], record: logging.LogRecord, now: float) -> bool:
+        """Under the lock: True for the first of an episode, else it is counted as held back."""
+        episode = self._episodes.get(kind)
+        if episode is None:
+            self._episodes[kind] = Episode(record, now, now)
+            return True
+        episode.last, episode.held, episode.total = now, episode.held + 1, episode.total + 1
+        return False
 
     def flush(self, now: float | None = None) -> None:
         """One line per kind held back since the last summary; one line per kind that has stopped."""
         now = time.monotonic() if now is None else now
         with self._lock:
+            while self._late:  # counted late: they came while the lock was held
+                self._count(*self._late.popleft())
             due = now - self._reported >= self.interval_s
             if due:
                 self._reported = now

@@ -40,6 +40,25 @@ def test_one_kind_is_logged_once_then_counted_then_its_end_said(caplog):
     assert repeats.filter(access(503))  # a new episode starts with its first line
 
 
+def test_a_failure_logged_while_the_summary_thread_holds_the_lock_is_counted_without_waiting(caplog):
+    """The serving loop never waits on the summary thread: what it logs meanwhile is counted at the next summary."""
+    repeats = Repeats(interval_s=10)
+    assert repeats.filter(access(503))
+    seen: list[bool] = []
+    logging_ = threading.Thread(target=lambda: seen.extend(repeats.filter(access(s)) for s in (503, 503, 503, 429)))
+    with repeats._lock:  # as the summary thread holds it, mid-flush
+        logging_.start()
+        logging_.join(2)
+        finished = not logging_.is_alive()
+    logging_.join()
+    assert finished, "the logging thread waited for the lock"
+    assert seen == [False, False, False, True]  # held back, and the first of a new kind logged
+    with caplog.at_level(logging.INFO, logger="uvicorn.access"):
+        repeats.flush(time.monotonic() + 11)
+    lines = sorted(r.getMessage() for r in caplog.records)
+    assert len(lines) == 1 and "repeated (stopped: 4 in" in lines[0] and '" 503' in lines[0], lines
+
+
 def test_an_outage_under_four_clients_is_a_handful_of_lines_not_one_per_request(tmp_path):
     port, log = free_port(), tmp_path / "app.log"
     env = {"PREFIXRAG_VLLM_URL": f"http://127.0.0.1:{free_port()}/v1",
