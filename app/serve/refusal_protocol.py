@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import httptools
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+from uvicorn.protocols.utils import get_client_addr, get_path_with_query_string
 
 from app.serve.refusals import ADMITTED, ID_HEADER, RefusalDesk
 
@@ -67,8 +68,7 @@ def refusing_protocol(app: FastAPI) -> type[asyncio.Protocol] | str:
 
         def _refuse(self, parsed: Any) -> bool:
             started, headers = time.perf_counter(), dict(self.headers)
-            client = f"{self.client[0]}:{self.client[1]}" if self.client else None
-            refused = desk.refusal(headers.get(b"authorization", b"").decode("latin-1"), client)
+            refused = desk.refusal(headers.get(b"authorization", b"").decode("latin-1"), self.client)
             if refused is None:
                 return False
             response_headers, body = desk.response(refused, headers.get(_ID, b"").decode("latin-1"))
@@ -88,9 +88,8 @@ def refusing_protocol(app: FastAPI) -> type[asyncio.Protocol] | str:
             scope["query_string"] = parsed.query or b""
             scope["http_version"] = self.parser.get_http_version()
             if self.access_log:  # uvicorn's own line, so that the log's repeats fold it like the app's 429s
-                path = scope["path"] + (f"?{parsed.query.decode('ascii')}" if parsed.query else "")
-                self.access_logger.info('%s - "%s %s HTTP/%s" %d', f"{self.client[0]}:{self.client[1]}"
-                                        if self.client else "", "POST", path, scope["http_version"], 429)
+                self.access_logger.info('%s - "%s %s HTTP/%s" %d', get_client_addr(self.scope), "POST",
+                                        get_path_with_query_string(self.scope), scope["http_version"], 429)
             desk.record(scope, 429, body_bytes, duration_s)
 
     return RefusingProtocol

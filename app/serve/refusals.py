@@ -38,15 +38,15 @@ class RefusalDesk:
         self.tenants, self.record, self.state = tenants, record, state  # state: the app's, where its services live
         self.in_parser = in_parser  # may refuse before the app (False: a layer of the app adds to every response)
 
-    def refusal(self, authorization: str, client: str | None) -> Overloaded | None:
-        """The refusal of a question with this ``Authorization`` header on connection ``client`` (``host:port``),
-        when admission would refuse it at once (``refuses_now``, counted); None to let the app answer it: a
-        request without a valid key (the edge's 401), or any while the services are still being built. Sets
-        ``CLIENT`` in the caller's context: a refusal's promise is to this connection."""
+    def refusal(self, authorization: str, client: tuple[str, int] | None) -> Overloaded | None:
+        """The refusal of a question with this ``Authorization`` header on connection ``client`` (the ASGI scope's
+        host and port), when admission would refuse it at once (``refuses_now``, counted); None to let the app
+        answer it: a request without a valid key (the edge's 401), or any while the services are still being
+        built. Sets ``CLIENT`` in the caller's context: a refusal's promise is to this connection."""
         services = getattr(self.state, "services", None)  # absent until the lifespan has built them
         if services is None or self.tenants.of(authorization) is None:
             return None
-        CLIENT.set(client)
+        CLIENT.set(f"{client[0]}:{client[1]}" if client else None)
         refused: Overloaded | None = services.traffic.refuses_now()
         return refused
 
@@ -76,8 +76,7 @@ class Refusals:
             await self.app(scope, receive, send)
             return
         started, headers = time.perf_counter(), Headers(scope=scope)
-        client = scope.get("client")
-        refused = self.desk.refusal(headers.get("authorization", ""), f"{client[0]}:{client[1]}" if client else None)
+        refused = self.desk.refusal(headers.get("authorization", ""), scope.get("client"))
         if refused is None:
             await self.app(scope, receive, send)
             return
