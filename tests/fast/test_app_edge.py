@@ -4,7 +4,6 @@ CORS from a real browser."""
 
 from __future__ import annotations
 
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -15,7 +14,7 @@ from pydantic import ValidationError
 from app.core.settings import Settings
 from app.serve.app import create_app
 from tests.support.corpora import app_settings
-from tests.support.fake_app import ask, serve
+from tests.support.fake_app import ask, hold_the_place, serve
 from tests.support.fakes import FakeVLLM, GatedVLLM
 from tests.support.servers import AppServer, browser_page, http_requests, static_site
 
@@ -92,10 +91,7 @@ def test_a_question_beyond_capacity_is_refused_at_the_edge_before_its_body_is_re
     with AppServer(app, http=http, asgi=counted_app) as server, ThreadPoolExecutor(1) as pool:
         server.wait_ready()
         traffic = server.app.state.services.traffic
-        held = pool.submit(ask, server, question="What?")  # takes the one place, and keeps it while gated
-        deadline = time.monotonic() + 10
-        while traffic.present == 0 and time.monotonic() < deadline:
-            time.sleep(0.01)
+        held = hold_the_place(server, pool)  # takes the one place, and keeps it while gated
         before = http_requests(httpx.get(server.url + "/metrics", timeout=10).text)
         refused = [httpx.post(server.url + "/ask", **broken),
                    httpx.post(server.url + "/v1/chat/completions", **broken | {"headers": traced})]

@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from app.serve.app import create_app
 from app.serve.refusal_protocol import refusing_protocol
 from tests.support.corpora import app_settings
-from tests.support.fake_app import ask
+from tests.support.fake_app import hold_the_place, place_taken
 from tests.support.fakes import GatedVLLM
 from tests.support.servers import AppServer
 
@@ -42,14 +42,6 @@ def at_capacity(notes, embedder, **service):
     for name, value in service.items():
         setattr(settings.service, name, value)
     return AppServer(create_app(settings, embedder=embedder, llm=llm)), llm
-
-
-def hold_the_place(server, pool):
-    held = pool.submit(ask, server, question="What?")
-    deadline = time.monotonic() + 10
-    while server.app.state.services.traffic.present == 0 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    return held
 
 
 def test_a_refused_requests_body_is_dropped_and_its_connection_serves_the_next_in_order(notes, embedder):
@@ -89,9 +81,7 @@ def test_a_request_behind_one_still_answered_on_its_connection_waits_its_turn(no
         server.wait_ready()
         reader = conn.makefile("rb")
         conn.sendall(request("Holding?"))
-        deadline = time.monotonic() + 10
-        while server.app.state.services.traffic.present == 0 and time.monotonic() < deadline:
-            time.sleep(0.01)
+        place_taken(server)
         conn.sendall(request("Behind?"))
         time.sleep(0.5)  # were it refused at once, its 429 would be written now, ahead of the held answer
         llm.gate.set()
