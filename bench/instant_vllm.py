@@ -4,9 +4,10 @@ path alone (its answers/s ceiling and CPU per answer) on any machine, this one i
 instrument, never a test's: vLLM's real counters, scheduling and tokenizer are what the tests use.
 
 It serves what the app reads of vLLM: ``/v1/models``, ``/metrics`` (the cache config and counters the app and
-the benchmark read), ``/tokenize`` (four characters a token), ``/v1/chat/completions`` and ``/v1/completions``,
-streamed or not, ``--tokens`` answer tokens each. Written on aiohttp (vLLM's own dependency), one process, so
-that it costs far less per answer than the app it measures."""
+the benchmark read), ``/tokenize`` (four characters a token; with ``--tokenizer DIR`` that tokenizer's ids of the
+rendered chat, and DIR as the served model's root, so the app's token-id prompts engage as against a real vLLM),
+``/v1/chat/completions`` and ``/v1/completions``, streamed or not, ``--tokens`` answer tokens each. Written on
+aiohttp (vLLM's own dependency), one process, so that it costs far less per answer than the app it measures."""
 
 from __future__ import annotations
 
@@ -40,19 +41,29 @@ def prompt_tokens(body: dict) -> int:
     return sum(len(str(m.get("content", ""))) for m in body.get("messages", [])) // 4 + 8
 
 
-def build(tokens: int, max_model_len: int, kv_tokens: int) -> web.Application:
+def build(tokens: int, max_model_len: int, kv_tokens: int, tokenizer_dir: str | None = None) -> web.Application:
     counters = Counters()
+    root, tokenizer = MODEL, None
+    if tokenizer_dir:
+        from transformers import AutoTokenizer
+
+        root, tokenizer = tokenizer_dir, AutoTokenizer.from_pretrained(tokenizer_dir)
 
     async def models(_: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [
-            {"id": MODEL, "object": "model", "root": MODEL, "max_model_len": max_model_len}]})
+            {"id": MODEL, "object": "model", "root": root, "max_model_len": max_model_len}]})
 
     async def metrics(_: web.Request) -> web.Response:
         return web.Response(text=counters.text(kv_tokens))
 
     async def tokenize(request: web.Request) -> web.Response:
-        count = prompt_tokens(await request.json())
-        return web.json_response({"tokens": list(range(count)), "count": count, "max_model_len": max_model_len})
+        body = await request.json()
+        if tokenizer is not None and "messages" in body:  # as vLLM's /tokenize builds a chat's prompt
+            text = tokenizer.apply_chat_template(body["messages"], tokenize=False, add_generation_prompt=True)
+            ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+        else:
+            ids = list(range(prompt_tokens(body)))
+        return web.json_response({"tokens": ids, "count": len(ids), "max_model_len": max_model_len})
 
     async def generate(request: web.Request) -> web.StreamResponse:
         body = await request.json()
@@ -98,9 +109,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=16, help="answer tokens per request (at most max_tokens)")
     parser.add_argument("--max-model-len", type=int, default=32768, help="the window it reports (tokens)")
     parser.add_argument("--kv-tokens", type=int, default=900_000, help="the KV cache size it reports (tokens)")
+    parser.add_argument("--tokenizer", metavar="DIR", help="a served model's folder (tokenizer and chat template): "
+                        "reported as the model's root and used by /tokenize (default: none, four characters a token)")
     args = parser.parse_args(argv)
-    web.run_app(build(args.tokens, args.max_model_len, args.kv_tokens), host="127.0.0.1", port=args.port,
-                print=None, access_log=None)
+    web.run_app(build(args.tokens, args.max_model_len, args.kv_tokens, args.tokenizer), host="127.0.0.1",
+                port=args.port, print=None, access_log=None)
     return 0
 
 

@@ -14,7 +14,7 @@ from bench.stats import percentile
 APP_ENV_DEFAULTS: dict[str, str] = {}  # prefixrag is measured with its defaults: nothing beyond what a user sets
 HISTOGRAMS = {"ttft": "vllm:time_to_first_token_seconds", "queue": "vllm:request_queue_time_seconds",
               "prefill": "vllm:request_prefill_time_seconds", "e2e": "vllm:e2e_request_latency_seconds"}
-STAGES = ("admit", "retrieve", "assemble", "upstream_ttft", "ttft")
+STAGES = ("admit", "retrieve", "assemble", "prepare", "upstream_ttft", "ttft")
 # The app's own histograms (its /metrics), by what the row calls them, and the label that splits one.
 APP_HISTOGRAMS = {"admission_wait": ("prefixrag_admission_wait_seconds", None),
                   "ranking": ("prefixrag_retrieval_stage_seconds", "stage"),
@@ -39,7 +39,8 @@ def sample_stats(samples: list, wall_s: float) -> dict:
            "waited_s_p50": round(percentile([s.waited_s for s in samples], 50), 2)}
     timed = [s for s in ok if s.server_ms]
     if timed:  # the app's own stages, and what lies outside vLLM as this client saw it
-        row["app_ms"] = {stage: ms([s.server_ms[stage] for s in timed]) for stage in STAGES}
+        row["app_ms"] = {stage: ms([s.server_ms[stage] for s in timed]) for stage in STAGES
+                         if stage in timed[0].server_ms}  # an app older than a stage does not report it
         row["outside_vllm_ms"] = ms([s.ttft_s * 1000 - s.server_ms["upstream_ttft"] for s in timed])
         row["relay_ms"] = ms([s.ttft_s * 1000 - s.server_ms["ttft"] for s in timed])
     return row

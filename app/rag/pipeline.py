@@ -44,19 +44,20 @@ class Clock:
     def times(self, first_token: float, done: float) -> StageTimes:
         retrieve, assemble, sent = self.marks["retrieve"], self.marks["assemble"], self.marks["send"]
         return StageTimes(admit=ms(self.marks["admitted"] - self.started), retrieve=ms(retrieve - self.started),
-                          assemble=ms(assemble - retrieve),
+                          assemble=ms(assemble - retrieve), prepare=ms(sent - assemble),
                           ttft=ms(first_token - self.started), upstream_ttft=ms(first_token - sent),
                           total=ms(done - self.started))
 
 
 @dataclass(frozen=True)
 class StageTimes:
-    """Milliseconds: admission and retrieval (both from arrival), building the prompt, first token (from arrival,
-    and from the request's sending to vLLM) and all (from arrival)."""
+    """Milliseconds: admission and retrieval (both from arrival), building the prompt, making its request (token
+    ids), first token (from arrival, and from the request's sending to vLLM) and all (from arrival)."""
 
     admit: float
     retrieve: float
     assemble: float
+    prepare: float
     ttft: float
     upstream_ttft: float
     total: float

@@ -102,6 +102,8 @@ class Timings(BaseModel):
     retrieve: float = Field(description="Request received -> its question ranked: admit, then encoding the "
                             "question and searching the collection (ms).")
     assemble: float = Field(description="Order, render and fit the prompt to the token budget (ms).")
+    prepare: float = Field(description="Prompt fitted -> request sent to vLLM: its token ids made here where they "
+                           "are known (ms).")
     ttft: float = Field(description="Request received -> first answer token (ms).")
     upstream_ttft: float = Field(description="Request sent to vLLM -> its first answer token here (ms): vLLM's "
                                  "front end and engine; the rest of ttft is this service's own.")

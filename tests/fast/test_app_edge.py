@@ -128,7 +128,8 @@ def test_streams_are_server_sent_events_for_ask_and_for_the_openai_client(notes,
     done = events[-1].json()
     assert "".join(e.json()["text"] for e in events[:-1]) == done["answer"]
     assert done["answer"].strip() == fake.answer
-    assert set(done["timings_ms"]) == {"admit", "retrieve", "assemble", "ttft", "upstream_ttft", "total"}
+    assert set(done["timings_ms"]) == {"admit", "retrieve", "assemble", "prepare", "ttft", "upstream_ttft",
+                                       "total"}
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices).strip() == fake.answer
     assert chunks[-1].usage.prompt_tokens > 0 and chunks[-2].choices[0].finish_reason
 
