@@ -33,6 +33,8 @@ log = logging.getLogger("prefixrag.prompt_ids")
 MARGIN_TOKENS = 16
 HEADS = 512  # heads kept (one per unit, page or conversation start; ~16 KB each at 4K tokens)
 LEARNING = 2  # heads checked against vLLM at a time (background work; more wait for a later request)
+LOOP_TAIL_CHARS = 2048  # a tail up to this long is tokenized on the event loop (~0.5 ms at most), a longer one on
+# a thread, where the tokenizer releases the interpreter's lock (a prompt whose only head known is the system's)
 Leads = list[str] | tuple[str, ...]  # where a prompt's head may end, longest first (never a bare str)
 
 
@@ -42,9 +44,13 @@ class PromptIds:
         self._loaded = loaded  # called once the tokenizer is loaded (the composition root freezes what it left)
         self.tokenizer: Any = None  # the served model's (transformers), loaded once vLLM is known
         self.heads: OrderedDict[bytes, tuple[array[int], int]] = OrderedDict()  # head -> (its ids, where tails start)
-        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prompt-ids")
-        # Learning (a whole prompt tokenized) runs on a thread and a tokenizer of its own, never ahead of a
-        # request's ids (a fast tokenizer is not to be shared between threads).
+        # A request's ids are made on the event loop: rendering, a lookup and a short tail's tokenization, a
+        # fraction of a millisecond, where a hop to a thread waits for the interpreter's lock that a busy loop
+        # holds, and the requests queued behind a long tail's. A long tail is tokenized on a thread; learning (a
+        # whole prompt tokenized) on another, never ahead of a request. Each thread has a tokenizer of its own
+        # (a fast tokenizer is not to be shared between threads).
+        self._tails = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prompt-ids")
+        self._tails_tokenizer: Any = None
         self._learner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prompt-ids-learn")
         self._learner_tokenizer: Any = None
         self._learning: set[bytes] = set()
@@ -58,7 +64,7 @@ class PromptIds:
 
     def adopt(self, info: Any) -> None:
         """Upstream subscriber: vLLM (re)appeared, maybe with another model: drop what was learnt, reload."""
-        self.tokenizer = self._learner_tokenizer = None
+        self.tokenizer = self._learner_tokenizer = self._tails_tokenizer = None
         self.heads.clear()
         self._declined.clear()
         if self.settings.token_id_prompts:
@@ -73,19 +79,21 @@ class PromptIds:
         where ``question`` (the rendered last question) starts. The longest is learnt meanwhile if it was not."""
         if self.tokenizer is None:
             return None
-        loop = asyncio.get_running_loop()
         try:
-            ids, used, longest = await loop.run_in_executor(self._thread, self._known_ids, messages, question,
-                                                            leads)
+            known, longest = self._known_head(messages, question, leads)
+            if longest is not None and self._unlearnt(key := longest[0]) and len(self._learning) < LEARNING:
+                self._learning.add(key)
+                self._spawn(self._learn(messages, *longest))
+            return None if known is None else await self._with_tail(*known)
         except Exception as exc:  # an optimisation never fails a request (e.g. the tokenizer dropped meanwhile)
             log.warning("prompt sent as a chat: its token ids failed (%s)", exc)
             return None
-        if used is not None and used in self.heads:
-            self.heads.move_to_end(used)  # on the loop: the thread only reads the heads
-        if longest is not None and self._unlearnt(key := longest[0]) and len(self._learning) < LEARNING:
-            self._learning.add(key)
-            self._spawn(self._learn(messages, *longest))
-        return ids
+
+    async def _with_tail(self, head_ids: array[int], tail: str) -> list[int]:
+        if len(tail) <= LOOP_TAIL_CHARS:
+            return head_ids.tolist() + _encode(self.tokenizer, tail)
+        tail_ids = await asyncio.get_running_loop().run_in_executor(self._tails, _encode, self._tails_tokenizer, tail)
+        return head_ids.tolist() + tail_ids
 
     async def learn(self, messages: list[dict[str, Any]], lead: str) -> None:
         """Learn the head of a prompt sent ahead of the questions that will open with ``lead`` (pre-warm's units),
@@ -94,9 +102,8 @@ class PromptIds:
             await asyncio.shield(self._loading)
         if self.tokenizer is None or not lead:
             return
-        loop = asyncio.get_running_loop()
         try:
-            _, _, head = await loop.run_in_executor(self._thread, self._known_ids, messages, "", (lead,))
+            _, head = self._known_head(messages, "", (lead,))
         except Exception as exc:  # the tokenizer dropped meanwhile, or failed on this text: users learn it
             log.info("a pre-warmed prompt head was not learnt: %s", exc)
             return
@@ -112,7 +119,7 @@ class PromptIds:
     def close(self) -> None:
         for task in self._tasks:
             task.cancel()
-        self._thread.shutdown(wait=False, cancel_futures=True)
+        self._tails.shutdown(wait=False, cancel_futures=True)
         self._learner.shutdown(wait=False, cancel_futures=True)
 
     def _spawn(self, coroutine: Any) -> asyncio.Task[None]:
@@ -121,19 +128,20 @@ class PromptIds:
         task.add_done_callback(self._tasks.discard)
         return task
 
-    def _known_ids(self, messages: list[dict[str, Any]], question: str, leads: Leads
-                   ) -> tuple[list[int] | None, bytes | None, tuple[bytes, str, int] | None]:
-        """(ids or None, the key of the head they used or None, (the longest head's key, the rendered prompt,
-        where that head ends) or None if no head's end was found)."""
+    def _known_head(self, messages: list[dict[str, Any]], question: str, leads: Leads
+                    ) -> tuple[tuple[array[int], str] | None, tuple[bytes, str, int] | None]:
+        """((the ids of the longest head learnt, the rest of the prompt's text) or None, (the longest head's key,
+        the rendered prompt, where that head ends) or None if no head's end was found)."""
         text = self._render(messages)
         longest = None
         for cut in _cuts(text, question, leads):
             key = hashlib.blake2b(text[:cut].encode(), digest_size=16).digest()
             longest = longest or (key, text, cut)
             if (head := self.heads.get(key)) is not None:
+                self.heads.move_to_end(key)
                 head_ids, tail_start = head
-                return head_ids.tolist() + self._encode(text[tail_start:]), key, longest
-        return None, None, longest
+                return (head_ids, text[tail_start:]), longest
+        return None, longest
 
     async def _learn(self, messages: list[dict[str, Any]], key: bytes, text: str, cut: int) -> None:
         try:
@@ -170,15 +178,13 @@ class PromptIds:
         if first_tail_token <= 0:
             return None
         tail_start = offsets[first_tail_token][0]
-        if ids[first_tail_token:] != list(tokenizer(text[tail_start:], add_special_tokens=False)["input_ids"]):
+        if ids[first_tail_token:] != _encode(tokenizer, text[tail_start:]):
             return None
         return ids, first_tail_token, tail_start
 
     def _render(self, messages: list[dict[str, Any]]) -> str:
         return str(self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
 
-    def _encode(self, text: str) -> list[int]:
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     async def _load(self, path: str | None) -> None:
         if not path or not Path(path).is_dir():
@@ -188,7 +194,8 @@ class PromptIds:
         loop = asyncio.get_running_loop()
         try:
             self._learner_tokenizer = await loop.run_in_executor(self._learner, _load_tokenizer, path)
-            self.tokenizer = await loop.run_in_executor(self._thread, _load_tokenizer, path)
+            self._tails_tokenizer = await loop.run_in_executor(self._learner, _load_tokenizer, path)
+            self.tokenizer = await loop.run_in_executor(self._learner, _load_tokenizer, path)
         except Exception as exc:  # not a tokenizer folder, no chat template: chats as before
             log.warning("token-id prompts off: %s could not be loaded (%s)", path, exc)
             return
@@ -213,6 +220,11 @@ def _remember(table: OrderedDict[bytes, Any], key: bytes, value: Any) -> None:
     table[key] = value
     while len(table) > HEADS:
         table.popitem(last=False)
+
+
+def _encode(tokenizer: Any, text: str) -> list[int]:
+    """A tail's ids (a head's tail is checked through this very call before the head is used)."""
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 def _load_tokenizer(path: str) -> Any:

@@ -14,6 +14,7 @@ from app.core.settings import Settings, VLLMSettings
 from app.rag.context import PromptBuilder
 from app.runtime.services import build_services
 from app.serve.app import create_app
+from app.vllm.prompt_ids import LOOP_TAIL_CHARS
 from tests.support.corpora import app_settings
 from tests.support.servers import AppServer
 
@@ -85,7 +86,10 @@ def test_a_context_opening_with_a_hit_of_its_own_goes_as_ids_after_the_system_pr
         builder, system = client.builder, client.builder.system_prompt
         await client.prompt_ids.learn(builder.warmup_messages(), system)  # as pre-warm does with its prefix
         assert len(client.prompt_ids.heads) == 1
-        for question, extra in QUESTIONS:  # other hits, other questions: nothing shared after the system prompt
+        long_tail = ("Which quay is longest?", LEAD.replace("Harbour", "Quay"))  # tokenized off the event loop
+        assert len(long_tail[1]) > LOOP_TAIL_CHARS
+        for question, extra in (*QUESTIONS, long_tail):  # other hits, other questions: nothing shared after the
+            # system prompt
             messages = [{"role": "system", "content": system},
                         {"role": "user", "content": f"<documents>\n{extra}</documents>\n" + builder.question(question)}]
             ids = await client.prompt_ids.ids(messages, builder.question(question), (system,))
