@@ -10,7 +10,7 @@ import time
 from functools import cached_property
 from typing import Any
 
-from app.core.devices import query_runtime, torch_device
+from app.core.devices import query_encoder, torch_device
 from app.core.settings import PACKAGED_EMBEDDER, EmbeddingSettings
 
 log = logging.getLogger("prefixrag.embedder")
@@ -114,26 +114,27 @@ def _load(settings: EmbeddingSettings, questions: bool) -> tuple[Any, Any]:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]  # "Loading weights" bars would clutter CLI output and logs
-    device = torch_device(settings.device)
-    runtime = query_runtime(settings.query_runtime, settings.query_dtype, device) if questions else "torch"
-    if runtime != "torch":
-        device = "cpu"
-    dtype = settings.query_dtype if questions else "float32"
-    model = SentenceTransformer(resolve_model_path(settings.model), device=device, model_kwargs={"dtype": dtype})
+    runtime, dtype, device = query_encoder(settings) if questions else ("torch", "float32", torch_device(
+        settings.device))
+    # int8: the float32 model's export, quantized
+    model = SentenceTransformer(resolve_model_path(settings.model), device=device,
+                                model_kwargs={"dtype": "float32" if dtype == "int8" else dtype})
     model.eval()  # loaded in training mode (dropout on); ``encode`` sets eval mode at every call, not ours
-    onnx = _onnx_encoder(model, settings) if runtime != "torch" else None
+    onnx = _onnx_encoder(model, settings, int8=dtype == "int8") if runtime != "torch" else None
     if runtime == "either" and onnx is not None and not _onnx_is_faster(model, onnx):
         onnx = None
+    elif runtime == "onnx" and onnx is not None:
+        log.info("question encoder: onnx %s", dtype)
     return model, onnx
 
 
-def _onnx_encoder(model: Any, settings: EmbeddingSettings) -> Any:
+def _onnx_encoder(model: Any, settings: EmbeddingSettings, int8: bool) -> Any:
     """The model exported to ONNX Runtime; where 'auto' asked for it and the export fails (a model the exporter
     cannot trace), torch runs it instead, said once in the log."""
     from app.core.onnx_encoder import OnnxEncoder
 
     try:
-        return OnnxEncoder(model, settings.query_threads)
+        return OnnxEncoder(model, settings.query_threads, int8=int8)
     except Exception as exc:
         if settings.query_runtime == "onnx":
             raise

@@ -40,24 +40,29 @@ class EmbeddingSettings(BaseModel):
     query_threads: int = Field(
         1, ge=1, description="CPU threads the service's encoder uses per question (ingest uses them all): one short "
         "text gains nothing from more, and beside a CPU vLLM each extra thread stalls at every barrier")
-    query_dtype: Literal["float32", "bfloat16"] = Field(
-        "float32", description="Number format of the service's question encoder (torch only). bfloat16 gives "
-        "nearly the same rankings and on some CPUs a shorter torch time, but no machine measured so far encodes "
-        "faster in it than in the faster float32 runtime (bench.query_encoder). Documents are always float32.")
+    query_dtype: Literal["auto", "float32", "bfloat16", "int8"] = Field(
+        "auto", description="Number format of the service's question encoder. int8 (ONNX Runtime on the CPU: "
+        "weights per channel, activations quantized as each question runs) encodes in about half float32's time "
+        "with the same recall on the data measured (bench.query_encoder); bfloat16 is torch's (nearly float32's "
+        "rankings, on some CPUs faster); 'auto': int8, or float32 where query_runtime is torch or device a GPU. "
+        "Documents are always float32.")
     query_runtime: Literal["auto", "torch", "onnx"] = Field(
         "auto", description="What runs the service's question encoder: 'onnx' exports the model at load into one "
-        "ONNX Runtime graph (CPU only, float32: the same vectors as torch); 'torch' runs it eagerly (any device, "
-        "any query_dtype); 'auto': on the CPU in float32, whichever of the two encodes faster on this CPU, "
-        "timed at load (neither wins everywhere); else torch.")
+        "ONNX Runtime graph (CPU only; in float32 the same vectors as torch); 'torch' runs it eagerly (any device, "
+        "float32 or bfloat16); 'auto': ONNX Runtime for int8; for float32 on the CPU whichever of the two encodes "
+        "faster on this CPU, timed at load (neither wins everywhere); else torch.")
 
     @model_validator(mode="after")
     def _onnx_runs_float32(self) -> EmbeddingSettings:
         if self.query_runtime == "onnx" and self.query_dtype == "bfloat16":
-            raise ValueError("query_runtime 'onnx' runs the encoder in float32: set query_dtype to float32, or "
-                             "query_runtime to torch for bfloat16")
-        if self.query_runtime == "onnx" and self.device not in ("auto", "cpu"):
-            raise ValueError(f"query_runtime 'onnx' runs the encoder on the CPU, not on {self.device!r}: "
-                             "set device to cpu or auto, or query_runtime to torch")
+            raise ValueError("query_runtime 'onnx' runs the encoder in float32 or int8: set query_dtype to one of "
+                             "those, or query_runtime to torch for bfloat16")
+        if self.query_runtime == "torch" and self.query_dtype == "int8":
+            raise ValueError("query_dtype 'int8' is ONNX Runtime's: set query_runtime to onnx or auto, or "
+                             "query_dtype to auto")
+        if (self.query_runtime == "onnx" or self.query_dtype == "int8") and self.device not in ("auto", "cpu"):
+            raise ValueError(f"ONNX Runtime runs the question encoder on the CPU, not on {self.device!r}: "
+                             "set device to cpu or auto, or query_runtime to torch (float32 or bfloat16)")
         return self
 
 

@@ -112,7 +112,7 @@ async def build_services(settings: Settings, *, embedder: Embedder | None = None
     first question, unless worker processes rank; or ``embedder``, shared by tests and benchmarks), the vLLM
     client (or ``llm``: the one seam where the fast test tier puts its fake vLLM) and monitor, the index and
     ranker; then the pipeline."""
-    from app.core.devices import torch_device
+    from app.core.devices import query_encoder
     from app.core.embedder import Embedder as Encoder
     from app.core.embedder import limit_threads
 
@@ -122,7 +122,7 @@ async def build_services(settings: Settings, *, embedder: Embedder | None = None
     threads = settings.retrieval.threads or min(8, os.cpu_count() or 2)
     executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="retrieve", initializer=limit_threads,
                                   initargs=(settings.embedding.query_threads,))
-    workers = settings.retrieval.worker_processes(torch_device(settings.embedding.device) != "cpu")
+    workers = settings.retrieval.worker_processes(query_encoder(settings.embedding)[2] != "cpu")
     encoder = embedder
     if encoder is None:  # loaded here only where questions are ranked here (else on first use, if ever)
         own = Encoder(settings.embedding, questions=True)
