@@ -5,7 +5,8 @@ changes what is retrieved. Per ``--encoders`` value (runtime/dtype): the median 
 4 of the dataset's questions, as the service does and, interleaved with it, through sentence-transformers'
 ``encode``; then its dense top-5 from the ingested collection (``python -m bench.throughput`` or
 ``bench.prefix_cache`` ingests it) against the first encoder's: the chunks in common, and recall@5 (a gold
-document among them). Documents are always encoded by torch in float32 (ingest)."""
+document among them); and recall@5 of the service's own hybrid ranking (BM25 and dense fused) with it.
+Documents are always encoded by torch in float32 (ingest)."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench.query_encoder", description=__doc__)
     parser.add_argument("--data", type=Path, required=True, help="a QA dataset folder (bench.datasets layout)")
     parser.add_argument("--chroma", type=Path, required=True, help="the on-disk Chroma holding its collection")
-    parser.add_argument("--encoders", default="torch/float32,torch/bfloat16,onnx/float32",
+    parser.add_argument("--encoders", default="torch/float32,torch/bfloat16,onnx/float32,onnx/int8",
                         help="PREFIXRAG_EMBEDDING__QUERY_RUNTIME/QUERY_DTYPE pairs, comma-separated")
     parser.add_argument("--device", default="cpu",
                         help="where torch runs the encoder (PREFIXRAG_EMBEDDING__DEVICE; default cpu, whatever the "
@@ -75,11 +76,36 @@ def main(argv: list[str] | None = None) -> int:
                                    / len(questions), 4)
         row["top5_chunks_in_common_with_first"] = round(
             sum(len(set(a) & set(b)) for a, b in zip(found["ids"], reference, strict=True)) / len(questions), 3)
+        row["hybrid_recall_at_5"] = hybrid_recall(encoder, dataset.collection, args.chroma, questions)
         rows.append(row)
         print(row, flush=True)
     write_json(args.out, {"dataset": dataset.name, "questions": len(questions), "results": rows,
                           "command": command_line("bench.query_encoder", argv), "environment": environment()})
     return 0
+
+
+def hybrid_recall(encoder: Any, collection: str, chroma: Path, questions: list) -> float:
+    """Recall@5 of the service's own ranking (BM25 and dense, fused: the default mode) with ``encoder`` for the
+    questions, ranked in this process."""
+    import asyncio
+
+    from app.core.settings import Settings
+    from app.runtime.services import build_services
+
+    async def ranked() -> list[set[str]]:
+        settings = Settings(_env_file=None)
+        settings.chroma.path, settings.chroma.collection = chroma, collection
+        settings.retrieval.workers = 0  # ranked here, by this encoder
+        services = await build_services(settings, embedder=encoder)
+        try:
+            await services.index.indexes_ready()
+            return [{chunk.doc_id for chunk in services.retriever.retrieve_sync(q.text, 5, None, "hybrid")}
+                    for q in questions]
+        finally:
+            await services.aclose()
+
+    found = asyncio.run(ranked())
+    return round(sum(bool(q.gold & ids) for q, ids in zip(questions, found, strict=True)) / len(questions), 4)
 
 
 if __name__ == "__main__":

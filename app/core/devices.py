@@ -28,14 +28,9 @@ def torch_device(device: str) -> str:
 
 def query_encoder(settings: EmbeddingSettings) -> tuple[str, str, str]:
     """(runtime, number format, device) of the service's question encoder, 'auto' settled as far as settings
-    can. The format: int8 through ONNX Runtime on the CPU (half float32's time for nearly the same rankings,
-    bench.query_encoder), unless torch or a GPU was asked for: float32 there. The runtime: ONNX Runtime for
-    int8; torch on a GPU or in bfloat16; 'either' in float32 on the CPU, for the encoder to time both at load.
-    ONNX Runtime runs on the CPU."""
-    dtype: str = settings.query_dtype
-    if dtype == "auto":
-        dtype = "float32" if settings.query_runtime == "torch" or settings.device not in ("auto", "cpu") else "int8"
-    device, runtime = torch_device(settings.device), str(settings.query_runtime)
+    can: ONNX Runtime for int8 (only it runs that); torch on a GPU or in bfloat16; 'either' in float32 on the
+    CPU, for the encoder to time both at load. ONNX Runtime runs on the CPU."""
+    dtype, device, runtime = settings.query_dtype, torch_device(settings.device), str(settings.query_runtime)
     if runtime == "auto":
         runtime = "onnx" if dtype == "int8" else "either" if device == "cpu" and dtype == "float32" else "torch"
     return runtime, dtype, device if runtime == "torch" else "cpu"

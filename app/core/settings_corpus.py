@@ -40,12 +40,11 @@ class EmbeddingSettings(BaseModel):
     query_threads: int = Field(
         1, ge=1, description="CPU threads the service's encoder uses per question (ingest uses them all): one short "
         "text gains nothing from more, and beside a CPU vLLM each extra thread stalls at every barrier")
-    query_dtype: Literal["auto", "float32", "bfloat16", "int8"] = Field(
-        "auto", description="Number format of the service's question encoder. int8 (ONNX Runtime on the CPU: "
-        "weights per channel, activations quantized as each question runs) encodes in about half float32's time "
-        "with the same recall on the data measured (bench.query_encoder); bfloat16 is torch's (nearly float32's "
-        "rankings, on some CPUs faster); 'auto': int8, or float32 where query_runtime is torch or device a GPU. "
-        "Documents are always float32.")
+    query_dtype: Literal["float32", "bfloat16", "int8"] = Field(
+        "float32", description="Number format of the service's question encoder. int8 (ONNX Runtime on the CPU: "
+        "weights per channel, activations quantized as each question runs) encodes in about half float32's time, "
+        "hybrid recall@5 0.2-0.3 points lower on the data measured (bench.query_encoder); bfloat16 is torch's "
+        "(nearly float32's rankings, on some CPUs faster). Documents are always float32.")
     query_runtime: Literal["auto", "torch", "onnx"] = Field(
         "auto", description="What runs the service's question encoder: 'onnx' exports the model at load into one "
         "ONNX Runtime graph (CPU only; in float32 the same vectors as torch); 'torch' runs it eagerly (any device, "
@@ -58,8 +57,7 @@ class EmbeddingSettings(BaseModel):
             raise ValueError("query_runtime 'onnx' runs the encoder in float32 or int8: set query_dtype to one of "
                              "those, or query_runtime to torch for bfloat16")
         if self.query_runtime == "torch" and self.query_dtype == "int8":
-            raise ValueError("query_dtype 'int8' is ONNX Runtime's: set query_runtime to onnx or auto, or "
-                             "query_dtype to auto")
+            raise ValueError("query_dtype 'int8' is ONNX Runtime's: set query_runtime to onnx or auto")
         if (self.query_runtime == "onnx" or self.query_dtype == "int8") and self.device not in ("auto", "cpu"):
             raise ValueError(f"ONNX Runtime runs the question encoder on the CPU, not on {self.device!r}: "
                              "set device to cpu or auto, or query_runtime to torch (float32 or bfloat16)")

@@ -34,8 +34,8 @@ def test_every_committed_result_has_a_report_with_its_command():
 
 def test_query_encoder_times_each_runtime_and_number_format_and_compares_what_it_retrieves(tmp_path):
     """bench.query_encoder over a collection ingested with the real encoder: torch in float32 against itself finds
-    the same five chunks, and so does ONNX Runtime (the same vectors); bfloat16 is timed and ranked too, with a
-    recall the gold can be checked against."""
+    the same five chunks, and so does ONNX Runtime (the same vectors); bfloat16 and int8 are timed and ranked
+    too, with a recall the gold can be checked against, dense and through the service's hybrid ranking."""
     import argparse
     import json
 
@@ -49,14 +49,16 @@ def test_query_encoder_times_each_runtime_and_number_format_and_compares_what_it
     out = tmp_path / "encoder.json"
     assert main(["--data", str(data), "--chroma", str(tmp_path / "chroma"), "--questions", "8", "--batches", "2",
                  "--out", str(out)]) == 0
-    first, bf16, onnx = json.loads(out.read_text())["results"]
-    assert [(row["runtime"], row["dtype"]) for row in (first, bf16, onnx)] == [
-        ("torch", "float32"), ("torch", "bfloat16"), ("onnx", "float32")]
+    first, bf16, onnx, int8 = rows = json.loads(out.read_text())["results"]
+    assert [(row["runtime"], row["dtype"]) for row in rows] == [
+        ("torch", "float32"), ("torch", "bfloat16"), ("onnx", "float32"), ("onnx", "int8")]
     assert first["top5_chunks_in_common_with_first"] == onnx["top5_chunks_in_common_with_first"] == 5.0
     assert 4.0 <= bf16["top5_chunks_in_common_with_first"] and onnx["recall_at_5"] == first["recall_at_5"]
+    assert 3.0 <= int8["top5_chunks_in_common_with_first"]
     assert first["recall_at_5"] > 0.5 and all(ms > 0 for ms in bf16["encode_ms_median"].values())
+    assert onnx["hybrid_recall_at_5"] == first["hybrid_recall_at_5"] > 0.5 and int8["hybrid_recall_at_5"] > 0.5
     assert set(bf16["library_encode_ms_median"]) == set(bf16["encode_ms_median"]) == {"1", "2", "4"}
-    assert {row["device"] for row in (first, bf16, onnx)} == {"cpu"}  # each row says where it ran
+    assert {row["device"] for row in rows} == {"cpu"}  # each row says where it ran
 
 
 def test_a_skewed_stream_asks_about_a_few_documents_most_and_the_split_names_the_busiest_replica():

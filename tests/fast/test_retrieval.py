@@ -166,11 +166,11 @@ def test_the_question_encoder_runs_on_onnx_runtime_on_the_cpu_with_the_vectors_d
     def settled(**fields: str) -> tuple[str, str, str]:
         return query_encoder(EmbeddingSettings(**fields))
 
-    assert settled(query_dtype="float32") == ("either", "float32", "cpu")
+    assert settled() == ("either", "float32", "cpu")
     assert settled(query_dtype="bfloat16") == ("torch", "bfloat16", "cpu")
     assert settled(query_runtime="torch") == ("torch", "float32", "cpu")
     assert settled(query_runtime="onnx", query_dtype="float32") == ("onnx", "float32", "cpu")
-    onnx = Embedder(EmbeddingSettings(query_runtime="onnx", query_dtype="float32"), questions=True).load()
+    onnx = Embedder(EmbeddingSettings(query_runtime="onnx"), questions=True).load()
     assert onnx._onnx is not None and not onnx.model.training
     questions = ["x", "Which port does the service listen on, and how is it changed in the settings file?", "ok"]
     assert onnx.embed(questions) == _close_to(embedder.embed(questions), 1e-5)
@@ -179,15 +179,15 @@ def test_the_question_encoder_runs_on_onnx_runtime_on_the_cpu_with_the_vectors_d
         with pytest.raises(ValidationError, match=said):
             EmbeddingSettings(query_runtime="onnx", **wrong)
     with caplog.at_level(logging.INFO, logger="prefixrag.embedder"):
-        chosen = Embedder(EmbeddingSettings(query_dtype="float32"), questions=True).load()
+        chosen = Embedder(EmbeddingSettings(), questions=True).load()
     kept = "onnx" if chosen._onnx is not None else "torch"
     assert [record.getMessage().split(" (")[0] for record in caplog.records] == [f"question encoder: {kept}"]
 
 
 def test_the_question_encoder_in_int8_points_where_float32_does(caplog, embedder):
-    """int8 (the default) is ONNX Runtime's graph quantized at load, on the CPU where torch would take the GPU
-    ('auto'), float32 where torch or a GPU is asked for; its vectors are a few degrees off float32's (the
-    quantized graph is what runs); the log says which encoder runs, and the quantizer's advice stays out of it."""
+    """int8 is ONNX Runtime's graph quantized at load, on the CPU even where documents go to the GPU; its vectors
+    are a few degrees off float32's (the quantized graph is what runs); the log says which encoder runs, and the
+    quantizer's own lines stay out of it."""
     import logging
 
     import pytest
@@ -198,13 +198,13 @@ def test_the_question_encoder_in_int8_points_where_float32_does(caplog, embedder
     from app.core.embedder import Embedder
     from app.core.settings_corpus import EmbeddingSettings
 
-    assert query_encoder(EmbeddingSettings()) == ("onnx", "int8", "cpu")
+    assert query_encoder(EmbeddingSettings(query_dtype="int8")) == ("onnx", "int8", "cpu")
     with pytest.MonkeyPatch.context() as gpu:
         gpu.setattr(torch.cuda, "is_available", lambda: True)
-        assert query_encoder(EmbeddingSettings()) == ("onnx", "int8", "cpu")  # documents still go to the GPU
-        assert query_encoder(EmbeddingSettings(device="cuda")) == ("torch", "float32", "cuda")
+        assert query_encoder(EmbeddingSettings(query_dtype="int8")) == ("onnx", "int8", "cpu")
+        assert query_encoder(EmbeddingSettings()) == ("torch", "float32", "cuda")
     with caplog.at_level(logging.INFO):
-        int8 = Embedder(EmbeddingSettings(), questions=True).load()
+        int8 = Embedder(EmbeddingSettings(query_dtype="int8"), questions=True).load()
     assert int8._onnx is not None
     said = [(record.name, record.getMessage()) for record in caplog.records
             if record.name in ("root", "prefixrag.embedder")]
