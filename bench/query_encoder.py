@@ -36,16 +36,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import chromadb
-
     from app.core.embedder import Embedder, limit_threads
+    from app.core.settings import ChromaSettings
     from app.core.settings_corpus import EmbeddingSettings
+    from app.core.store import open_client
 
     args = parse_args(argv)
     dataset = load_dataset(args.data)
     questions = sample(dataset.questions, args.questions, seed=0)
     texts = [question.text for question in questions]
-    collection = chromadb.PersistentClient(str(args.chroma)).get_collection(dataset.collection)
+    chroma = ChromaSettings(path=args.chroma, collection=dataset.collection)
+    collection = open_client(chroma, create=False).get_collection(dataset.collection)  # as the service opens it
     limit_threads(1)
     rows, reference = [], None
     for pair in args.encoders.split(","):
