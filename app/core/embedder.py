@@ -116,9 +116,8 @@ def _load(settings: EmbeddingSettings, questions: bool) -> tuple[Any, Any]:
     hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]  # "Loading weights" bars would clutter CLI output and logs
     runtime, dtype, device = query_encoder(settings) if questions else ("torch", "float32", torch_device(
         settings.device))
-    # int8: the float32 model's export, quantized
-    model = SentenceTransformer(resolve_model_path(settings.model), device=device,
-                                model_kwargs={"dtype": "float32" if dtype == "int8" else dtype})
+    model = SentenceTransformer(resolve_model_path(settings.model), device=device,  # int8: float32's export,
+                                model_kwargs={"dtype": "float32" if dtype == "int8" else dtype})  # quantized
     model.eval()  # loaded in training mode (dropout on); ``encode`` sets eval mode at every call, not ours
     onnx = _onnx_encoder(model, settings, int8=dtype == "int8") if runtime != "torch" else None
     if runtime == "either" and onnx is not None and not _onnx_is_faster(model, onnx):

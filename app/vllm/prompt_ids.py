@@ -185,7 +185,6 @@ class PromptIds:
     def _render(self, messages: list[dict[str, Any]]) -> str:
         return str(self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
 
-
     async def _load(self, path: str | None) -> None:
         if not path or not Path(path).is_dir():
             log.info("token-id prompts off: the served model's tokenizer is not on this machine (%s); "
