@@ -91,8 +91,10 @@ class PromptIds:
 
     async def _with_tail(self, head_ids: array[int], tail: str) -> list[int]:
         if len(tail) <= LOOP_TAIL_CHARS:
-            return head_ids.tolist() + _encode(self.tokenizer, tail)
-        tail_ids = await asyncio.get_running_loop().run_in_executor(self._tails, _encode, self._tails_tokenizer, tail)
+            tail_ids = _encode(self.tokenizer, tail)
+        else:
+            loop = asyncio.get_running_loop()
+            tail_ids = await loop.run_in_executor(self._tails, _encode, self._tails_tokenizer, tail)
         return head_ids.tolist() + tail_ids
 
     async def learn(self, messages: list[dict[str, Any]], lead: str) -> None:
