@@ -9,72 +9,50 @@ Each worker is reached over a socket the event loop reads and writes itself (``a
 no thread of the serving process stands between a question and its ranking, so a busy loop never makes a
 ranking wait for a thread to get the GIL. A free worker takes its share of the questions waiting (all of them
 when it is the only one free, up to ``BATCH``) and encodes them in one pass: a burst is spread over the free
-workers first, since a batch's first question waits for its last one's encoding. After an ingest (the epoch a
-question carries says so), a worker drops the chunk rows it read and opens the changed collection and its indexes
-on a thread of its own, answering from what it had open until they are loaded: a reload never makes a question
-wait for Chroma's reopening or BM25's loading (a chunk deleted meanwhile is left out: its row is read afresh).
-While an ingest run is still writing, a worker only drops the rows it read (the question's second count). A
-worker that dies is started again and primed before it takes a question; its questions in flight fail with a 503."""
+workers first, since a batch's first question waits for its last one's encoding. One pool ranks every collection
+the process serves: a question carries its collection's name, and a batch's questions are encoded together
+whichever collections they search. After an ingest (the epoch each message carries for the collection says so),
+a worker drops the chunk rows it read and opens the changed collection and its indexes on a thread of its own
+(``app.runtime.retrieval_worker``), answering from what it had open until they are loaded: a reload never makes
+a question wait for Chroma's reopening or BM25's loading (a chunk deleted meanwhile is left out: its row is read
+afresh). While an ingest run is still writing, a worker only drops the rows it read (the collection's second
+count). A worker that dies is started again and primed before it takes a question; its questions in flight fail
+with a 503."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import signal
-import socket
-import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
 
 from prometheus_client import Histogram
 
 from app.core.errors import ServiceError, StoreUnavailable
-from app.core.logformat import log_like_the_service
-from app.core.settings import ChromaSettings, EmbeddingSettings, PageSettings, RetrievalSettings
-from app.core.store import forget_clients
-from app.rag.retriever import Ranking, Retriever
-from app.runtime.pauses import freeze_start_up
-from app.runtime.worker_channel import Channel, ChannelClosed, Message, serve_channel
+from app.rag.retriever import Ranking
+from app.runtime.retrieval_worker import Ranked, WorkerConfig, serve
+from app.runtime.worker_channel import Channel, ChannelClosed
 
-if TYPE_CHECKING:
-    from app.rag.index import CollectionIndex
+__all__ = ["CollectionRanker", "RetrievalPool", "WorkerConfig"]
 
 log = logging.getLogger("prefixrag.retrieval")
 DIED = "a retrieval worker died; it is being restarted, retry shortly"
 BATCH = 16  # questions one worker encodes in one pass, at most: enough for any burst the loop hands it at once
+PRIME_POLL_S = 0.05  # how often a prime asks the workers whether their reload is done
+PRIME_WAIT_S = 120.0  # a prime waits this long for the workers' reloads at most
 
 
-@dataclass(frozen=True)
-class WorkerConfig:
-    """What a worker needs to rank: the settings sections, nothing with a secret in it; and how the service logs."""
-
-    chroma: ChromaSettings
-    embedding: EmbeddingSettings
-    retrieval: RetrievalSettings
-    paging: PageSettings
-    log_level: str = "info"
-    log_format: str = "text"
+Stamps = dict[str, tuple[int, int]]  # a collection's (epoch, rows): the reloads and the writes the pool saw
 
 
 @dataclass
 class _Asked:
+    collection: str
     question: str
     k: int
     source_prefix: str | None
     ranking: asyncio.Future[Ranking] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
     asked_at: float = field(default_factory=time.perf_counter)
-
-
-@dataclass(frozen=True)
-class Ranked:
-    """A worker's answer to a batch: each question's ranking (or its error), and what the batch took there."""
-
-    outcomes: list[Any]  # a Ranking, or the error it raised (ServiceError)
-    encode_s: float
-    search_s: float
 
 
 class RetrievalPool:
@@ -83,30 +61,66 @@ class RetrievalPool:
     def __init__(self, config: WorkerConfig, workers: int, stages: Histogram | None = None) -> None:
         """``stages``: where each question's time goes (``prefixrag_retrieval_stage_seconds``)."""
         self.config, self.workers, self.stages = config, workers, stages
-        self.epoch = 0  # bumped when an ingest changed the collection; every question carries it
-        self.rows = 0  # bumped when an ingest run starts writing (rows read before are dropped); carried too
+        # Per collection: the epoch, bumped when an ingest changed it, and rows, bumped when an ingest run starts
+        # writing (rows read before are dropped); every message carries them all.
+        self.stamps: Stamps = {config.chroma.collection: (0, 0)}
+        self._primed: dict[str, set[int]] = {}  # per collection, the workers (ids of their channels) that loaded it
         self._channels: list[Channel] = []
         self._asked: asyncio.Queue[_Asked] = asyncio.Queue()
         self._feeders: list[asyncio.Task[None]] = []
         self._free = 0  # feeders waiting for a question: a burst is shared among them
 
-    async def rank(self, question: str, k: int, source_prefix: str | None = None) -> Ranking:
+    async def rank(self, question: str, k: int, source_prefix: str | None = None,
+                   collection: str | None = None) -> Ranking:
+        """``collection``: the name of the one searched (default: the settings' own)."""
         self._start()
-        asked = _Asked(question, k, source_prefix)
+        asked = _Asked(collection or self.config.chroma.collection, question, k, source_prefix)
         self._asked.put_nowait(asked)
         return await asked.ranking
 
-    async def prime(self) -> None:
-        """At start-up (and when the collection first exists): every worker loads its encoder and indexes
-        before the service reports ready. After a reload, workers reload at their next question."""
+    async def prime(self, collection: str | None = None) -> None:
+        """Returns once every worker has loaded the collection as it is now: at start-up (and when the collection
+        first exists) its encoder and the collection's indexes, before the service reports it ready; after a
+        change (an upload's job is done only then), its reload, which each worker does in the background,
+        answering questions meanwhile. Gives up waiting once the collection changed again, or after
+        ``PRIME_WAIT_S``."""
         self._start()
-        await asyncio.gather(*(_prime(channel, self._epochs()) for channel in self._channels if not channel.primed))
+        name = collection or self.config.chroma.collection
+        stamp = self.stamps.setdefault(name, (0, 0))
+        primed = self._primed.setdefault(name, set())
+        deadline = time.monotonic() + PRIME_WAIT_S
+        while True:
+            loaded = await asyncio.gather(*(_prime(channel, self.stamps, name) for channel in self._channels))
+            primed.update(id(channel) for channel, done in zip(self._channels, loaded, strict=True) if done)
+            if all(loaded) or self.stamps.get(name) != stamp:
+                return
+            if time.monotonic() > deadline:
+                log.warning("retrieval workers still reloading collection %r after %gs", name, PRIME_WAIT_S)
+                return
+            await asyncio.sleep(PRIME_POLL_S)
 
-    async def collection_changed(self, rewarm: bool) -> None:
-        self.epoch += 1
+    def primed(self, collection: str | None = None) -> bool:
+        """Whether every worker loaded the collection (default: the settings' own)."""
+        done = self._primed.get(collection or self.config.chroma.collection, set())
+        return bool(self._channels) and all(id(channel) in done for channel in self._channels)
 
-    def rows_changing(self) -> None:
-        self.rows += 1
+    def serving(self, collection: str) -> CollectionRanker:
+        """The ``Ranker`` of one collection, over this pool."""
+        self.stamps.setdefault(collection, (0, 0))
+        return CollectionRanker(self, collection)
+
+    async def collection_changed(self, rewarm: bool, collection: str | None = None) -> None:
+        epoch, rows = self.stamps.get(name := collection or self.config.chroma.collection, (0, 0))
+        self.stamps[name] = (epoch + 1, rows)
+
+    def rows_changing(self, collection: str | None = None) -> None:
+        epoch, rows = self.stamps.get(name := collection or self.config.chroma.collection, (0, 0))
+        self.stamps[name] = (epoch, rows + 1)
+
+    def forget(self, collection: str) -> None:
+        """No longer served: workers close it at their next message."""
+        self.stamps.pop(collection, None)
+        self._primed.pop(collection, None)
 
     async def aclose(self) -> None:
         for feeder in self._feeders:
@@ -120,7 +134,7 @@ class RetrievalPool:
     def _start(self) -> None:
         if self._feeders:
             return
-        self._channels = [Channel.spawn(_serve, self.config) for _ in range(self.workers)]
+        self._channels = [Channel.spawn(serve, self.config) for _ in range(self.workers)]
         self._feeders = [asyncio.create_task(self._feed(slot), name=f"retrieval-feeder-{slot}")
                          for slot in range(self.workers)]
 
@@ -130,8 +144,10 @@ class RetrievalPool:
             if self._channels[slot].closed:
                 await self._channels[slot].aclose()
                 log.error("retrieval worker %d died: starting a new one", slot)
-                self._channels[slot] = Channel.spawn(_serve, self.config)
-                await _prime_logged(self._channels[slot], self._epochs())
+                self._channels[slot] = Channel.spawn(serve, self.config)
+                for name in list(self.stamps):
+                    await _prime_logged(self._channels[slot], self.stamps, name)
+                    self._primed.setdefault(name, set()).add(id(self._channels[slot]))
             batch = await self._share()
             batch = [asked for asked in batch if not asked.ranking.done()]  # a client that gave up
             if batch:
@@ -151,10 +167,10 @@ class RetrievalPool:
         return batch
 
     async def _rank_on(self, channel: Channel, batch: list[_Asked]) -> None:
-        questions = [(asked.question, asked.k, asked.source_prefix) for asked in batch]
+        questions = [(asked.collection, asked.question, asked.k, asked.source_prefix) for asked in batch]
         sent = time.perf_counter()
         try:
-            ranked: Ranked = await channel.exchange(("rank", self._epochs(), questions))
+            ranked: Ranked = await channel.exchange(("rank", dict(self.stamps), questions))
             outcomes = ranked.outcomes
             self._observe(batch, sent, ranked)
         except ChannelClosed:
@@ -172,9 +188,6 @@ class RetrievalPool:
             else:
                 asked.ranking.set_result(outcome)
 
-    def _epochs(self) -> tuple[int, int]:
-        return self.epoch, self.rows
-
     def _observe(self, batch: list[_Asked], sent: float, ranked: Ranked) -> None:
         if self.stages is None:
             return
@@ -186,130 +199,37 @@ class RetrievalPool:
             self.stages.labels("search").observe(ranked.search_s)
 
 
-async def _prime(channel: Channel, epoch: tuple[int, int]) -> None:
+class CollectionRanker:
+    """One collection's ``Ranker`` over the pool: what its pipeline and its collection watcher hold."""
+
+    def __init__(self, pool: RetrievalPool, collection: str) -> None:
+        self.pool, self.collection = pool, collection
+
+    async def rank(self, question: str, k: int, source_prefix: str | None = None) -> Ranking:
+        return await self.pool.rank(question, k, source_prefix, self.collection)
+
+    async def prime(self) -> None:
+        await self.pool.prime(self.collection)
+
+    async def collection_changed(self, rewarm: bool) -> None:
+        await self.pool.collection_changed(rewarm, self.collection)
+
+    def rows_changing(self) -> None:
+        self.pool.rows_changing(self.collection)
+
+
+async def _prime(channel: Channel, stamps: Stamps, collection: str) -> bool:
     try:
-        outcome = await channel.exchange(("prime", epoch, None))
+        outcome = await channel.exchange(("prime", dict(stamps), collection))
     except ChannelClosed as exc:
         raise StoreUnavailable(DIED) from exc
     if isinstance(outcome, BaseException):
         raise outcome
-    channel.primed = True
+    return bool(outcome)
 
 
-async def _prime_logged(channel: Channel, epoch: tuple[int, int]) -> None:
+async def _prime_logged(channel: Channel, stamps: Stamps, collection: str) -> None:
     try:
-        await _prime(channel, epoch)
+        await _prime(channel, stamps, collection)
     except ServiceError as exc:  # it ranks anyway, loading at its first question
         log.warning("a new retrieval worker could not load its indexes: %s", exc)
-
-
-RELOAD_RETRY_S = 1.0  # after a worker's reload failed (e.g. Chroma mid-write), its next try at the earliest
-
-
-class _Worker:
-    """A worker process's retrieval: the serving process's own ``Retriever``, over a collection of its own."""
-
-    def __init__(self, config: WorkerConfig) -> None:
-        from app.core.embedder import Embedder, limit_threads
-
-        limit_threads(config.embedding.query_threads)
-        self.embedder = Embedder(config.embedding, questions=True).load()
-        self.config, self.epoch, self.rows = config, 0, 0
-        self.index, self.retriever = self._opened()
-
-    def _opened(self) -> tuple[CollectionIndex, Retriever]:
-        """A collection handle of its own, and the retriever over it."""
-        from app.rag.index import CollectionIndex
-
-        config = self.config
-        # The index runs nothing on this pool (ranking is synchronous here); its own thread loads BM25.
-        index = CollectionIndex(self.embedder, config.chroma, ThreadPoolExecutor(1), config.retrieval, config.paging)
-        return index, Retriever(index, self.embedder, config.retrieval)
-
-    def answer(self, message: Message) -> object:
-        kind, (epoch, rows), questions = message
-        if rows != self.rows:  # an ingest run started writing: rows are read afresh
-            self.rows = rows
-            self.index.forget_rows()
-        if kind == "prime":
-            if epoch != self.epoch:
-                self.index.reopen()
-                self.epoch = epoch
-            primed = _outcome(self.prime)
-            freeze_start_up()  # what loading left alive, out of the cyclic GC's scans between questions
-            return primed
-        if epoch != self.epoch:
-            self.epoch = epoch
-            self.index.forget_rows()
-            threading.Thread(target=self._reload, args=(epoch,), name="reload", daemon=True).start()
-        return self.rank(questions)
-
-    def _reload(self, epoch: int) -> None:
-        """The changed collection opened, queried once and its BM25 loaded, then swapped in, unless a newer
-        change came meanwhile (its own reload swaps then)."""
-        if not self.config.chroma.url:
-            forget_clients()  # the next open reloads from disk; handles already open keep working
-        index, retriever = self._opened()
-        try:
-            _primed(retriever)
-        except Exception as exc:  # the old state answers meanwhile; a question a second from now tries again
-            log.warning("a retrieval worker could not reload the collection: %s", exc)
-            index.close()
-            time.sleep(RELOAD_RETRY_S)
-            if epoch == self.epoch:
-                self.epoch = -1  # no epoch the pool sends: its next question starts another reload
-            return
-        if epoch != self.epoch:
-            index.close()
-            return
-        old, self.index, self.retriever = self.index, index, retriever
-        old.close()  # its background thread; a ranking still on it finishes (its handle stays open)
-
-    def prime(self) -> None:
-        _primed(self.retriever)
-
-    def rank(self, questions: list[tuple[str, int, str | None]]) -> Ranked:
-        """Every question's ranking (or its error), the questions encoded in one pass."""
-        started = time.perf_counter()
-        texts = [question for question, _, _ in questions]
-        dense = self.index.retrieval.mode != "lexical"
-        vectors = _outcome(lambda: self.embedder.embed(texts) if dense else [None] * len(texts))
-        encoded = time.perf_counter()
-        if isinstance(vectors, BaseException):
-            return Ranked([vectors] * len(questions), encoded - started, 0.0)
-        assert isinstance(vectors, list)
-        together = _outcome(lambda: self.retriever.rank_batch_sync(questions, vectors))
-        if not isinstance(together, list):
-            together = [_outcome(lambda q=q, k=k, p=p, v=v: self.retriever.rank_sync(q, k, p, vector=v))
-                        for (q, k, p), v in zip(questions, vectors, strict=True)]  # one by one
-        return Ranked(together, encoded - started, time.perf_counter() - encoded)
-
-
-def _primed(retriever: Retriever) -> None:
-    """Rank once and load BM25: the first question pays for neither."""
-    retriever.rank_sync("prime the index", 1)
-    if retriever.index.retrieval.mode != "dense":
-        retriever.index.lexical_index(wait=True)
-
-
-def _outcome(work: object) -> object:
-    """``work()``, or the error it raised as one the serving process can report (a ``ServiceError``)."""
-    assert callable(work)
-    try:
-        return work()
-    except ServiceError as exc:
-        return exc
-    except Exception as exc:
-        log.exception("ranking failed in a retrieval worker")
-        return ServiceError(f"ranking failed in a retrieval worker: {type(exc).__name__}: {exc}")
-
-
-def _serve(config: WorkerConfig, channel_end: socket.socket) -> None:
-    """A worker process: answer the serving process's messages until it closes the channel."""
-    # The serving process decides when workers stop (after draining): a terminal's Ctrl-C or a SIGTERM sent
-    # to the whole process group must not kill them under requests still in flight.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    log_like_the_service(config.log_level, config.log_format)
-    serve_channel(channel_end, _Worker(config).answer)

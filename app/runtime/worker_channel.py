@@ -15,7 +15,7 @@ from collections.abc import Callable
 from multiprocessing.process import BaseProcess
 from typing import Any
 
-Message = tuple[str, tuple[int, int], Any]  # (kind, the epochs: reloads and runs started writing; payload)
+Message = tuple[str, dict[str, tuple[int, int]], Any]  # (kind, per collection: its reloads and writes; payload)
 HEADER = struct.Struct("!I")  # a message's length in bytes
 STOP_S = 10.0  # a worker still alive this long after its channel closed is terminated
 
@@ -27,7 +27,6 @@ class ChannelClosed(Exception):
 class Channel:
     def __init__(self, process: BaseProcess, sock: socket.socket) -> None:
         self.process, self._sock = process, sock
-        self.primed = False  # the worker loaded its encoder and indexes
         self.closed = False
         self._streams: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
         self._lock = asyncio.Lock()

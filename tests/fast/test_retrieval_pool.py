@@ -37,7 +37,7 @@ def test_workers_rank_as_the_serving_process_does_and_one_killed_is_started_agai
                                           settings.pages), workers=2)
         try:
             await pool.prime()
-            assert all(channel.primed for channel in pool._channels)
+            assert pool.primed()
             burst = await asyncio.gather(*(pool.rank(q, 5) for q in QUESTIONS * 4))  # more than two at a time
             assert [ids(ranking) for ranking in burst] == [expected[q] for q in QUESTIONS * 4]
             assert all(ranking.complete for ranking in burst)
@@ -48,7 +48,7 @@ def test_workers_rank_as_the_serving_process_does_and_one_killed_is_started_agai
             assert all(isinstance(o, StoreUnavailable) or ids(o) == expected[q]
                        for o, q in zip(outcomes, QUESTIONS, strict=True)), outcomes
             for _ in range(600):  # the slot's new worker, primed, answers again
-                if pool._channels[0].process is not killed and pool._channels[0].primed:
+                if pool._channels[0].process is not killed and pool.primed():
                     break
                 await asyncio.gather(pool.rank(QUESTIONS[0], 5), return_exceptions=True)
                 await asyncio.sleep(0.1)
