@@ -16,11 +16,23 @@ class ChromaSettings(BaseModel):
     path: Path = Field(Path("./data/chroma"), description="On-disk Chroma directory (embedded mode).")
     url: str | None = Field(None, description="Chroma server URL (e.g. http://127.0.0.1:8001); wins over path.")
     collection: str = Field("docs", min_length=3, max_length=512, description="Collection name (3-512 chars).")
+    collections: list[str] = Field(
+        [], description="Further collections the service serves beside `collection` (a JSON list of names), each "
+        "its own model prefixrag/<name> and the `collection` of /ask, /v1/retrieve and the documents endpoints.")
     poll_s: float = Field(5.0, gt=0, description="How often the service checks whether an ingest changed the "
                           "collection (then it reloads it, drops cached units and re-warms).")
     lexical_dir: Path | None = Field(
         None, description="Where ingest keeps the indexes it derives from the collection, BM25 and pages "
         "(default: beside the on-disk Chroma; data/lexical/<server> for a Chroma server).")
+
+    @model_validator(mode="after")
+    def _collections_named_once(self) -> ChromaSettings:
+        names = [self.collection, *self.collections]
+        if len(set(names)) != len(names):
+            raise ValueError(f"chroma collections name one twice (or `collection` again): {names}")
+        if bad := [name for name in self.collections if not 3 <= len(name) <= 512]:
+            raise ValueError(f"chroma collection names must be 3-512 characters: {bad}")
+        return self
 
     @field_validator("url")
     @classmethod

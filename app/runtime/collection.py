@@ -17,16 +17,22 @@ from app.rag.seams import Ranker
 
 log = logging.getLogger("prefixrag.collection")
 _UNSEEN = object()
+NOT_CHECKED, LOADING = "collection not checked yet", "loading the search indexes"
 
 
 class CollectionWatcher:
     def __init__(self, index: CollectionIndex, ranker: Ranker) -> None:
         self.index, self.ranker = index, ranker
-        self.problem: str | None = "collection not checked yet"  # why it cannot answer now (None: it can)
+        self.problem: str | None = NOT_CHECKED  # why it cannot answer now (None: it can)
         self._subscribers: list[Callable[[bool], Awaitable[None]]] = []
         self._writing: list[Callable[[], None]] = []
         self._seen: object = _UNSEEN  # the stamp last acted on; the first look only records what start-up loaded
         self._looking = asyncio.Lock()  # the poll and a write of this process's own never look at once
+
+    @property
+    def settling(self) -> bool:
+        """Still being opened at start-up (or when it first appeared): not yet answered from, nor found wanting."""
+        return self.problem in (NOT_CHECKED, LOADING)
 
     def subscribe(self, changed: Callable[[bool], Awaitable[None]]) -> None:
         """``await changed(rewarm)`` each time an ingest changed the collection (``rewarm``: it still exists)."""
@@ -98,7 +104,7 @@ class CollectionWatcher:
         and its document unpaged, a prompt unlike the next one's). A ready service stays ready through a reload
         and answers meanwhile."""
         if self.problem is not None:
-            self.problem = "loading the search indexes"
+            self.problem = LOADING
         await self.ranker.prime()
         await self.index.indexes_ready(self.index.indexes_in_use())
 

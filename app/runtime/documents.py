@@ -40,6 +40,11 @@ from app.rag.index import CollectionIndex, chroma_errors
 
 log = logging.getLogger("prefixrag.documents")
 JOBS_KEPT = 256  # finished jobs whose status can still be read
+
+
+def job_not_found(job_id: str) -> NotFound:
+    return NotFound(f"no job {job_id!r} (finished jobs are kept while {JOBS_KEPT} newer ones are not)",
+                    param="job_id", code="job_not_found")
 CHILD_SECTIONS = ("chroma", "embedding", "chunking", "pages", "ingest")  # what ingest reads of the settings
 
 
@@ -96,11 +101,8 @@ class Documents:
         if self._runner is None:
             self._runner = asyncio.create_task(self._run_work(), name="document-jobs")
 
-    def job(self, job_id: str) -> Job:
-        if (job := self._jobs.get(job_id)) is None:
-            raise NotFound(f"no job {job_id!r} (finished jobs are kept while {JOBS_KEPT} newer ones are not)",
-                           param="job_id", code="job_not_found")
-        return job
+    def job(self, job_id: str) -> Job | None:
+        return self._jobs.get(job_id)
 
     async def listed(self) -> list[dict[str, Any]]:
         """Every document the collection holds: id, source file, content hash, chunks (complete or not)."""

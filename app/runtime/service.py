@@ -32,13 +32,21 @@ class Service:
         self.pipeline, self.planner, self.traffic, self.upstream = pipeline, planner, traffic, upstream
         self.warmer, self.watcher, self.metrics = warmer, watcher, metrics
         self.max_retrievals, self._retrievals = max_retrievals, 0
+        self.watchers = [watcher]  # every served collection's, where this one answers readiness for all of them
         watcher.subscribe(self.collection_changed)
         watcher.subscribe_writing(self.rows_changing)
 
     def readiness(self) -> Readiness:
-        """Can it answer now? vLLM's status, not ready while the collection is missing or unreadable; pre-warm's
-        progress and the load are reported, never waited for."""
-        return Readiness(self.upstream.status(), self.watcher.problem, self.warmer.progress, self.traffic.status())
+        """Can it answer now? vLLM's status, not ready while this collection is missing or unreadable, nor while
+        any other served one is still loading at start-up (one missing later is its own requests' 503, and
+        ``GET /v1/collections`` says why: the others are still answered); pre-warm's progress and the load are
+        reported, never waited for."""
+        problem = self.watcher.problem
+        if problem is None:
+            name, problem = next(((watcher.index.chroma.collection, watcher.problem) for watcher in self.watchers
+                                  if watcher.settling), ("", None))
+            problem = problem and f"collection {name!r}: {problem}"
+        return Readiness(self.upstream.status(), problem, self.warmer.progress, self.traffic.status())
 
     def answer_stream(self, query: Query) -> AsyncGenerator[Delta | Answer, None]:
         """``/ask``: deltas as vLLM produces them, then one ``Answer``; ``BadRequest`` at once for a bad query."""
@@ -67,11 +75,14 @@ class Service:
 
     async def describe(self) -> dict[str, Any]:
         """The served collection now: its chunks (less those withdrawn) and generation, readiness, strategy and
-        pre-warm's progress."""
-        index = self.pipeline.index
-        chunks = await index.count() - len(index.withdrawn)
-        return {"id": index.chroma.collection, "chunks": chunks, "generation": await index.generation(),
-                "ready": self.watcher.problem is None, "problem": self.watcher.problem, "strategy": self.planner.name,
+        pre-warm's progress; one that cannot be read now holds nothing, and says why (``problem``)."""
+        index, problem = self.pipeline.index, self.watcher.problem
+        try:
+            chunks, generation = await index.count() - len(index.withdrawn), await index.generation()
+        except StoreUnavailable as exc:
+            chunks, generation, problem = 0, None, problem or exc.message
+        return {"id": index.chroma.collection, "chunks": chunks, "generation": generation,
+                "ready": problem is None, "problem": problem, "strategy": self.planner.name,
                 "warmup": asdict(self.warmer.progress)}
 
     async def _admitted(self, events: AsyncIterator[Delta | Answer]) -> AsyncGenerator[Delta | Answer, None]:

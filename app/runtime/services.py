@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import os
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 from app.core.metrics import ServiceMetrics
 from app.core.settings import Settings, TrafficSettings
@@ -25,7 +25,7 @@ from app.runtime.capacity import EngineQueue
 from app.runtime.collection import CollectionWatcher
 from app.runtime.documents import Documents
 from app.runtime.pauses import freeze_late_load
-from app.runtime.retrieval_pool import RetrievalPool, WorkerConfig
+from app.runtime.retrieval_pool import CollectionRanker, RetrievalPool, WorkerConfig
 from app.runtime.service import Service
 from app.runtime.traffic import AutoLimit, LiveTraffic
 from app.runtime.upstream import Upstream
@@ -36,7 +36,8 @@ from app.vllm.prompt_ids import PromptIds
 
 @dataclass
 class Clients:
-    """What one process holds once, whatever pipelines run over it."""
+    """What one process holds once, whatever pipelines run over it (and, for each collection served, its index,
+    retriever and ranker)."""
 
     settings: Settings
     executor: ThreadPoolExecutor  # the retrieve threads: question embeddings and Chroma queries
@@ -67,6 +68,10 @@ class Services:
     service: Service
     engine_queue: EngineQueue | None  # reads vLLM's queue for max_in_flight=auto
     documents: Documents  # uploads (ingest jobs) and deletions over HTTP
+    # Every collection the process serves, by name, this one first (``PREFIXRAG_CHROMA__COLLECTIONS``); one dict,
+    # shared by all of their graphs: each its own index, planner, pipeline, pre-warm, watcher and documents over
+    # the same clients, behind the same admission.
+    collections: dict[str, Services] = field(default_factory=dict)
 
     @property
     def settings(self) -> Settings:
@@ -88,18 +93,24 @@ class Services:
     def retriever(self) -> Retriever:
         return self.clients.retriever
 
+    @property
+    def name(self) -> str:
+        return self.settings.chroma.collection
+
     def variant(self, settings: Settings, metrics: ServiceMetrics) -> Services:
         """Another pipeline over the same clients, configured by ``settings``' request, context, pre-warm,
         sampling and traffic sections (benchmarks compare strategies and limits this way)."""
         return assemble(self.clients, settings, metrics)
 
     async def aclose(self) -> None:
+        """Every collection's graph, then what the process holds once."""
+        for graph in self.collections.values() or [self]:
+            await graph.documents.aclose()
+            graph.planner.close()
+            graph.index.close()
         clients = self.clients
-        await self.documents.aclose()
-        self.planner.close()
         clients.prompt_ids.close()
         clients.traces.close()
-        clients.index.close()
         if isinstance(clients.ranker, RetrievalPool):
             await clients.ranker.aclose()
         await clients.llm.aclose()
@@ -119,7 +130,7 @@ async def build_services(settings: Settings, *, embedder: Embedder | None = None
     templates = PromptTemplates.load(settings.service.prompts_dir)
     metrics = metrics or ServiceMetrics()
     # Torch fixes a thread's pool size on first use, hence the initializer (PREFIXRAG_EMBEDDING__QUERY_THREADS).
-    threads = settings.retrieval.threads or min(8, os.cpu_count() or 2)
+    threads = retrieve_threads(settings)
     executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="retrieve", initializer=limit_threads,
                                   initargs=(settings.embedding.query_threads,))
     workers = settings.retrieval.worker_processes(query_encoder(settings.embedding)[2] != "cpu")
@@ -142,11 +153,36 @@ async def build_services(settings: Settings, *, embedder: Embedder | None = None
                                workers, metrics.retrieval_stages)
     clients = Clients(settings, executor, encoder, llm, upstream, index, retriever, ranker, templates, prompt_ids,
                       AnswerTraces(settings.service.otlp_traces_url))
-    return assemble(clients, settings, metrics)
+    services = assemble(clients, warm_share(settings), metrics)
+    services.collections[services.name] = services
+    for name in settings.chroma.collections:
+        services.collections[name] = another_collection(services, name)
+    services.service.watchers = [graph.watcher for graph in services.collections.values()]
+    return services
 
 
-def assemble(clients: Clients, settings: Settings, metrics: ServiceMetrics) -> Services:
-    """One configured pipeline over ``clients``, with its planner, admission, pre-warm and collection watcher."""
+def another_collection(first: Services, name: str) -> Services:
+    """Collection ``name``'s graph over ``first``'s clients, behind its admission: an index, retriever and ranker
+    of its own (the same ranking workers, told which collection each question searches)."""
+    settings = first.settings.model_copy(update={"chroma": first.settings.chroma.model_copy(
+        update={"collection": name, "collections": []})})
+    clients = first.clients
+    pool = clients.ranker if isinstance(clients.ranker, RetrievalPool) else None
+    index = CollectionIndex(clients.embedder, settings.chroma, clients.executor, settings.retrieval, settings.pages,
+                            ranks=pool is None)
+    retriever = Retriever(index, clients.embedder, settings.retrieval, encoders=max(1, retrieve_threads(settings) // 2))
+    own = replace(clients, settings=settings, index=index, retriever=retriever,
+                  ranker=pool.serving(name) if pool else retriever)
+    graph = assemble(own, warm_share(settings, len(first.settings.chroma.collections) + 1), first.metrics,
+                     first.traffic)
+    graph.collections = first.collections
+    return graph
+
+
+def assemble(clients: Clients, settings: Settings, metrics: ServiceMetrics,
+             traffic: LiveTraffic | None = None) -> Services:
+    """One configured pipeline over ``clients``, with its planner, pre-warm, collection watcher and admission
+    (``traffic``: another collection's, shared; else its own)."""
     builder = PromptBuilder(clients.templates)
     # Untrusted text never carries the served tokenizer's special tokens, whatever vLLM serves now.
     clients.upstream.subscribe(lambda info: builder.inert.use(info.special_tokens))
@@ -155,14 +191,16 @@ def assemble(clients: Clients, settings: Settings, metrics: ServiceMetrics) -> S
                              clients.settings.chroma.collection, estimator)
     clients.upstream.subscribe(planner.fit_units)
     clients.upstream.subscribe(metrics.observe_kv_tiers)
-    traffic = admission(settings.traffic)
+    shared, traffic = traffic is not None, traffic or admission(settings.traffic)
     pipeline = Pipeline(settings.limits, settings.sampling, clients.index, clients.ranker, clients.llm, builder,
                         planner, estimator, metrics, clients.prompt_ids, clients.traces,
                         RouteKeys(settings.vllm.spread_hot_units))
     warmer = Warmer(settings.warmup, planner, clients.llm, estimator, clients.upstream, traffic, clients.prompt_ids)
-    queue = EngineQueue(traffic, clients.upstream, settings.traffic.load_interval_s) if traffic.auto else None
+    queue = None
+    if traffic.auto and not shared:
+        queue = EngineQueue(traffic, clients.upstream, settings.traffic.load_interval_s)
     watcher = CollectionWatcher(clients.index, clients.ranker)
-    if isinstance(clients.ranker, RetrievalPool):
+    if isinstance(clients.ranker, RetrievalPool | CollectionRanker):
         watcher.subscribe(clients.ranker.collection_changed)
         watcher.subscribe_writing(clients.ranker.rows_changing)
     service = Service(pipeline, planner, traffic, clients.upstream, warmer, watcher, metrics,
@@ -170,6 +208,21 @@ def assemble(clients: Clients, settings: Settings, metrics: ServiceMetrics) -> S
     documents = Documents(settings, clients.index, watcher.check_now, service.forget_arranged)
     return Services(clients, metrics, builder, estimator, planner, traffic, pipeline, warmer, watcher, service, queue,
                     documents)
+
+
+def warm_share(settings: Settings, collections: int | None = None) -> Settings:
+    """``settings`` with pre-warm's bounds (its share of vLLM's KV cache, its tokens) split evenly among the
+    ``collections`` served (default: as many as ``settings`` names), so that all of them together keep to them."""
+    count = collections or len(settings.chroma.collections) + 1
+    if count == 1:
+        return settings
+    bounds = settings.warmup
+    return settings.model_copy(update={"warmup": bounds.model_copy(update={
+        "kv_share": bounds.kv_share / count, "max_tokens": bounds.max_tokens // count})})
+
+
+def retrieve_threads(settings: Settings) -> int:
+    return settings.retrieval.threads or min(8, os.cpu_count() or 2)
 
 
 def admission(limits: TrafficSettings) -> LiveTraffic:

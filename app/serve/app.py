@@ -45,13 +45,15 @@ def create_app(settings: Settings | None = None, *, embedder: Embedder | None = 
         app.state.services, app.state.service = services, services.service
         publish(metrics.registry, services.service.readiness)
         tasks = [asyncio.create_task(services.upstream.run_forever(), name="vllm-monitor"),
-                 asyncio.create_task(services.warmer.run_forever(), name="warmer"),
-                 asyncio.create_task(services.watcher.run_forever(settings.chroma.poll_s),
-                                     name="collection-watcher"),
                  asyncio.create_task(loop_lag.run_forever(), name="loop-lag")]
+        for name, graph in services.collections.items():
+            tasks += [asyncio.create_task(graph.warmer.run_forever(), name=f"warmer-{name}"),
+                      asyncio.create_task(graph.watcher.run_forever(settings.chroma.poll_s),
+                                          name=f"collection-watcher-{name}")]
         if services.engine_queue is not None:
             tasks.append(asyncio.create_task(services.engine_queue.run_forever(), name="engine-queue"))
-        log.info("prefixrag serving collection %r from %s; vLLM at %s", settings.chroma.collection,
+        log.info("prefixrag serving %s %s from %s; vLLM at %s", "collections" if settings.chroma.collections
+                 else "collection", ", ".join(map(repr, services.collections)),
                  settings.chroma.url or settings.chroma.path, settings.vllm.url)
         try:
             yield

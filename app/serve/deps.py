@@ -6,15 +6,15 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import Depends, Request
+from fastapi import Depends, Query, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from app.core.errors import UNAUTHORIZED, Unauthorized
 from app.core.metrics import ServiceMetrics
 from app.core.settings import Settings
-from app.runtime.documents import Documents
 from app.runtime.service import Service
-from app.serve.tenants import Tenant, Tenants
+from app.runtime.services import Services
+from app.serve.tenants import Tenant, Tenants, collection_not_found
 
 
 async def get_settings(request: Request) -> Settings:
@@ -27,11 +27,6 @@ async def get_service(request: Request) -> Service:
     return service
 
 
-async def get_documents(request: Request) -> Documents:
-    documents: Documents = request.app.state.services.documents
-    return documents
-
-
 async def get_metrics(request: Request) -> ServiceMetrics:
     metrics: ServiceMetrics = request.app.state.metrics
     return metrics
@@ -40,7 +35,6 @@ async def get_metrics(request: Request) -> ServiceMetrics:
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 ServiceDep = Annotated[Service, Depends(get_service)]
 MetricsDep = Annotated[ServiceMetrics, Depends(get_metrics)]
-DocumentsDep = Annotated[Documents, Depends(get_documents)]
 
 
 # In the OpenAPI schema as the bearer scheme; absent or not "Bearer" gives None, and the check below answers 401
@@ -72,15 +66,37 @@ TenantDep = Annotated[Tenant, Depends(require_tenant)]
 Authorized = Depends(require_tenant)
 
 
-async def require_reader(tenant: TenantDep, settings: SettingsDep) -> Tenant:
-    tenant.reads(settings.chroma.collection)
-    return tenant
+def collection_for(request: Request, tenant: Tenant, name: str | None = None, *, write: bool = False) -> Services:
+    """The graph of collection ``name`` (default: the first served) if ``tenant`` may read it (and, with
+    ``write``, change it): one the key may not read is not found, as one not served."""
+    collections: dict[str, Services] = request.app.state.services.collections
+    name = name or next(iter(collections))
+    tenant.writes(name) if write else tenant.reads(name)
+    if (graph := collections.get(name)) is None:
+        raise collection_not_found(name)
+    return graph
 
 
-async def require_writer(tenant: TenantDep, settings: SettingsDep) -> Tenant:
-    tenant.writes(settings.chroma.collection)
-    return tenant
+def model_of(graph: Services, model_id: str) -> str:
+    """The model that answers from ``graph``'s collection: ``model_id`` for the first served, else
+    ``model_id/<collection>``."""
+    return model_id if next(iter(graph.collections), graph.name) == graph.name else f"{model_id}/{graph.name}"
 
 
-Reader = Annotated[Tenant, Depends(require_reader)]  # a tenant that may read the served collection
-Writer = Annotated[Tenant, Depends(require_writer)]  # ... and change it
+CollectionParam = Annotated[str | None, Query(description="The collection (default: the service's first, "
+                                              "PREFIXRAG_CHROMA__COLLECTION).")]
+
+
+async def require_reader(request: Request, tenant: TenantDep, collection: CollectionParam = None) -> Services:
+    return collection_for(request, tenant, collection)
+
+
+async def require_writer(request: Request, tenant: TenantDep, collection: CollectionParam = None) -> Services:
+    return collection_for(request, tenant, collection, write=True)
+
+
+# The collection a request names in its ``collection`` query parameter (default: the first served), for a
+# tenant that may read it (``Read``), and change it (``Write``); a body's own ``collection`` goes through
+# ``collection_for``.
+Read = Annotated[Services, Depends(require_reader)]
+Write = Annotated[Services, Depends(require_writer)]

@@ -59,6 +59,8 @@ class RetrieveRequest(BaseModel):
     top_k: TopK | None = Field(None, description="Chunks to retrieve (1..PREFIXRAG_LIMITS__MAX_TOP_K, "
                               "at most 100).")
     filters: AskFilters | None = None
+    collection: Text | None = Field(None, description="The collection to search (default: the service's first, "
+                                    "PREFIXRAG_CHROMA__COLLECTION); GET /v1/collections lists those of the key.")
 
 
 class AskRequest(RetrieveRequest):

@@ -68,8 +68,9 @@ class SyncPlan(BaseModel):
 class CollectionInfo(BaseModel):
     """A collection the service serves, as it stands now."""
 
-    id: str = Field(description="The collection's name (PREFIXRAG_CHROMA__COLLECTION).")
+    id: str = Field(description="The collection's name (PREFIXRAG_CHROMA__COLLECTION or __COLLECTIONS).")
     object: Literal["collection"] = "collection"
+    model: str = Field(description="The model a chat client names to be answered from it (GET /v1/models).")
     documents: int = Field(description="Documents it holds.")
     chunks: int = Field(description="Chunks it holds.")
     generation: str | None = Field(description="Its generation stamp: changes with every ingest, upload or deletion.")

@@ -101,3 +101,34 @@ def test_one_question_at_a_time_a_stop_that_aborts_and_a_conversation_that_survi
         page.reload()
         page.wait_for_load_state()
         assert page.locator(".turn").count() == 0
+
+
+def test_two_collections_are_two_models_in_the_picker_and_in_the_openai_client(page, collections, vllm_url,
+                                                                                embedder):
+    """Open WebUI's way to two knowledge bases: two models. The page's picker and the official client name
+    ``prefixrag/facts``, and the answer's sources come from that collection alone."""
+    from openai import OpenAI
+
+    from tests.support.corpora import FACTS
+
+    settings = app_settings(collections, vllm_url, collection="project-docs", top_k=2, max_tokens=8)
+    settings.chroma.collections = ["facts"]
+    with AppServer(create_app(settings, embedder=embedder)) as server:
+        server.wait_ready()
+        client = OpenAI(base_url=server.url + "/v1", api_key="none")
+        models = [model.id for model in client.models.list().data]
+        reply = client.chat.completions.create(model="prefixrag/facts", max_tokens=4, messages=[
+            {"role": "user", "content": "Why do tides rise and fall?"}])
+        page.goto(server.url + "/")
+        page.locator("#collection").wait_for(state="visible", timeout=30_000)
+        options = page.locator("#model option").all_inner_texts()
+        page.select_option("#model", "prefixrag/facts")
+        page.fill("#question", "Which way does a compass needle point?")
+        page.click("#send")
+        answer = page.locator(".turn.assistant").last
+        answer.locator(".sources li").first.wait_for(timeout=60_000)
+        shown = answer.locator(".sources li summary").all_inner_texts()
+    assert models == options == ["prefixrag", "prefixrag/facts"]
+    assert reply.model == "prefixrag/facts"
+    assert {source["document"] for source in reply.model_extra["sources"]} <= set(FACTS)
+    assert shown and all(any(name in text for name in FACTS) for text in shown), shown

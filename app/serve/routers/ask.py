@@ -13,7 +13,7 @@ from fastapi import APIRouter, Request
 from app.core.errors import ServiceError
 from app.rag.pipeline import Answer
 from app.rag.requests import Query
-from app.serve.deps import Authorized, MetricsDep, Reader, ServiceDep
+from app.serve.deps import Authorized, MetricsDep, TenantDep, collection_for
 from app.serve.http_errors import reported
 from app.serve.protocol import (
     INTERNAL_ERROR,
@@ -31,11 +31,12 @@ from app.vllm.wire import Delta
 log = logging.getLogger("prefixrag.ask")
 router = APIRouter(tags=["ask"], dependencies=[Authorized])
 ERRORS: dict[int | str, dict[str, Any]] = STREAMED_200 | {
-    code: {"model": ErrorResponse} for code in (400, 401, 413, 429, 503, 504)}
+    code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 429, 503, 504)}
 
 
 @router.post("/ask", response_model=AskResponse, responses=ERRORS)
-async def ask(body: AskRequest, request: Request, service: ServiceDep, metrics: MetricsDep, tenant: Reader) -> Any:
+async def ask(body: AskRequest, request: Request, metrics: MetricsDep, tenant: TenantDep) -> Any:
+    service = collection_for(request, tenant, body.collection).service
     query = Query(question=body.question, top_k=body.top_k, max_tokens=body.max_tokens,
                   source_prefix=body.filters.source_prefix if body.filters else None, cache_salt=tenant.cache_salt)
     if body.stream:

@@ -1,35 +1,36 @@
 """The collections the service serves: listed for the caller's key, and each described (documents, chunks,
-generation, readiness, pre-warm)."""
+generation, readiness, pre-warm, the model that answers from it)."""
 
 from __future__ import annotations
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 
-from app.runtime.documents import Documents
-from app.runtime.service import Service
-from app.serve.deps import Authorized, DocumentsDep, Reader, ServiceDep, SettingsDep, TenantDep
+from app.core.errors import StoreUnavailable
+from app.runtime.services import Services
+from app.serve.deps import Authorized, SettingsDep, TenantDep, collection_for, model_of
 from app.serve.protocol_documents import CollectionInfo, CollectionList
 from app.serve.routers.documents import errors
-from app.serve.tenants import collection_not_found
 
 router = APIRouter(tags=["documents"], dependencies=[Authorized])
 
 
 @router.get("/v1/collections", response_model=CollectionList, responses=errors(503))
-async def listed(service: ServiceDep, documents: DocumentsDep, settings: SettingsDep,
-                 tenant: TenantDep) -> CollectionList:
-    """Those this key may read: the served one, or none."""
-    readable = tenant.may_read(settings.chroma.collection)
-    return CollectionList(data=[await described(service, documents)] if readable else [])
+async def listed(request: Request, settings: SettingsDep, tenant: TenantDep) -> CollectionList:
+    """Those this key may read, the first served first."""
+    collections: dict[str, Services] = request.app.state.services.collections
+    return CollectionList(data=[await described(graph, settings.service.model_id)
+                                for name, graph in collections.items() if tenant.may_read(name)])
 
 
 @router.get("/v1/collections/{name}", response_model=CollectionInfo, responses=errors(503))
-async def collection(name: str, service: ServiceDep, documents: DocumentsDep, settings: SettingsDep,
-                     _: Reader) -> CollectionInfo:
-    if name != settings.chroma.collection:
-        raise collection_not_found(name)
-    return await described(service, documents)
+async def collection(name: str, request: Request, settings: SettingsDep, tenant: TenantDep) -> CollectionInfo:
+    return await described(collection_for(request, tenant, name), settings.service.model_id)
 
 
-async def described(service: Service, documents: Documents) -> CollectionInfo:
-    return CollectionInfo(**await service.describe(), documents=await documents.count())
+async def described(graph: Services, model_id: str) -> CollectionInfo:
+    about = await graph.service.describe()
+    try:
+        documents = await graph.documents.count()
+    except StoreUnavailable:  # missing or unreadable: ``about`` says why
+        documents = 0
+    return CollectionInfo(**about, documents=documents, model=model_of(graph, model_id))

@@ -16,7 +16,9 @@ from app.core.settings import Settings
 from app.rag.conversation import Turn
 from app.rag.pipeline import Answer
 from app.rag.requests import ChatQuery, Sampling
-from app.serve.deps import Authorized, Reader, ServiceDep, SettingsDep
+from app.runtime.service import Service
+from app.runtime.services import Services
+from app.serve.deps import Authorized, SettingsDep, TenantDep, model_of
 from app.serve.http_errors import reported
 from app.serve.protocol import (
     INTERNAL_ERROR,
@@ -37,6 +39,7 @@ from app.serve.protocol import (
     sources_of,
 )
 from app.serve.routers.streaming import event_stream, sse, started, unless_client_leaves
+from app.serve.tenants import Tenant
 from app.vllm.wire import Delta
 
 log = logging.getLogger("prefixrag.chat")
@@ -46,14 +49,16 @@ ERRORS: dict[int | str, dict[str, Any]] = STREAMED_200 | {
 
 
 @router.get("/models", response_model=ModelList, responses={401: {"model": ErrorResponse}})
-async def list_models(settings: SettingsDep) -> ModelList:
-    return ModelList(data=[ModelCard(id=settings.service.model_id)])
+async def list_models(request: Request, settings: SettingsDep, tenant: TenantDep) -> ModelList:
+    """A model per collection this key may read: the first served is ``prefixrag`` (PREFIXRAG_SERVICE__MODEL_ID),
+    every other one ``prefixrag/<collection>``, so a chat frontend picks a knowledge base by picking a model."""
+    return ModelList(data=[ModelCard(id=model) for model in readable_models(request, settings, tenant)])
 
 
 @router.post("/chat/completions", response_model=ChatCompletion, responses=ERRORS)
-async def chat_completions(body: ChatCompletionRequest, request: Request, service: ServiceDep,
-                           settings: SettingsDep, tenant: Reader) -> Any:
-    model = served_model(body, settings)
+async def chat_completions(body: ChatCompletionRequest, request: Request, settings: SettingsDep,
+                           tenant: TenantDep) -> Any:
+    model, service = served_model(body, request, settings, tenant)
     chat = to_chat_query(body, tenant.cache_salt)
     ident, created = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time())
     append = settings.service.append_sources
@@ -68,15 +73,26 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, servic
                               finish_reason=answer.completion.finish_reason or "stop")])
 
 
-def served_model(body: GenerationRequest, settings: Settings) -> str:
-    """The model a request names must be the one served (or none named); then the request must ask for nothing
-    prefixrag cannot do."""
-    model = settings.service.model_id
-    if body.model not in (None, model):
-        raise NotFound(f"model {body.model!r} does not exist; GET /v1/models lists {model!r}", param="model",
+def readable_models(request: Request, settings: Settings, tenant: Tenant) -> dict[str, Services]:
+    collections: dict[str, Services] = request.app.state.services.collections
+    return {model_of(graph, settings.service.model_id): graph for name, graph in collections.items()
+            if tenant.may_read(name)}
+
+
+def served_model(body: GenerationRequest, request: Request, settings: Settings,
+                 tenant: Tenant) -> tuple[str, Service]:
+    """The model a request names (none: the first collection's) must be one this key may use, ``prefixrag`` or
+    ``prefixrag/<collection>``; then the request must ask for nothing prefixrag cannot do."""
+    models, model_id = readable_models(request, settings, tenant), settings.service.model_id
+    model = body.model or model_id
+    graph = models.get(model) or next((graph for graph in models.values()
+                                       if model == f"{model_id}/{graph.name}"), None)
+    if graph is None:
+        listed = ", ".join(map(repr, models)) or "none for this key"
+        raise NotFound(f"model {body.model!r} does not exist; GET /v1/models lists {listed}", param="model",
                        code="model_not_found")
     refuse_unsupported(body)
-    return model
+    return model_of(graph, model_id), graph.service
 
 
 def refuse_unsupported(body: GenerationRequest) -> None:

@@ -16,7 +16,7 @@ from app.core.errors import ServiceError
 from app.rag.conversation import Turn
 from app.rag.pipeline import Answer
 from app.rag.requests import ChatQuery
-from app.serve.deps import Authorized, Reader, ServiceDep, SettingsDep
+from app.serve.deps import Authorized, SettingsDep, TenantDep
 from app.serve.http_errors import reported
 from app.serve.protocol import INTERNAL_ERROR, TextChoice, TextCompletion, TextCompletionRequest, sources_of
 from app.serve.routers.openai_chat import ERRORS, sampling_of, served_model, sources_text, usage_of
@@ -28,9 +28,9 @@ router = APIRouter(prefix="/v1", tags=["openai"], dependencies=[Authorized])
 
 
 @router.post("/completions", response_model=TextCompletion, response_model_exclude_none=True, responses=ERRORS)
-async def completions(body: TextCompletionRequest, request: Request, service: ServiceDep,
-                      settings: SettingsDep, tenant: Reader) -> Any:
-    model = served_model(body, settings)
+async def completions(body: TextCompletionRequest, request: Request, settings: SettingsDep,
+                      tenant: TenantDep) -> Any:
+    model, service = served_model(body, request, settings, tenant)
     query = ChatQuery(turns=[Turn("user", body.question())], max_tokens=body.max_tokens, sampling=sampling_of(body),
                       cache_salt=tenant.cache_salt, route_hint=body.prompt_cache_key)
     ident, created = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time())

@@ -1,7 +1,8 @@
 // prefixrag chat page: keeps the conversation (in this browser too: it survives a reload until "New chat"),
 // streams answers from /v1/chat/completions (SSE) one question at a time, with a Stop button that aborts the
 // request, shows the sources (each opens to its snippet; citations in the answer link to them) and the
-// cached-token count under each answer, and shows every error in the conversation.
+// cached-token count under each answer, and shows every error in the conversation. Where the key may read
+// several collections, a picker chooses the model (a collection each) that answers.
 "use strict";
 const log = document.getElementById("log");
 const form = document.getElementById("ask");
@@ -9,12 +10,24 @@ const input = document.getElementById("question");
 const send = document.getElementById("send");
 const stop = document.getElementById("stop");
 const keyInput = document.getElementById("api-key");
+const modelSelect = document.getElementById("model");
 const SAVED = "prefixrag-chat";
 let turns = [];  // {role, content, sources?, usage?}: what the page shows and the API is sent
 let asking = null;  // the AbortController of the answer streaming now (one at a time)
 
 keyInput.value = localStorage.getItem("prefixrag-key") || "";
-keyInput.addEventListener("change", () => localStorage.setItem("prefixrag-key", keyInput.value));
+keyInput.addEventListener("change", () => { localStorage.setItem("prefixrag-key", keyInput.value); listModels(); });
+modelSelect.addEventListener("change", () => localStorage.setItem("prefixrag-model", modelSelect.value));
+
+async function listModels() {  // the models this key may use; the picker shows only when there is a choice
+  const headers = keyInput.value ? { Authorization: `Bearer ${keyInput.value}` } : {};
+  const response = await fetch("/v1/models", { headers }).catch(() => null);
+  const models = response && response.ok ? (await response.json()).data.map(({ id }) => id) : [];
+  const chosen = localStorage.getItem("prefixrag-model");
+  modelSelect.replaceChildren(...models.map((id) => new Option(id, id, false, id === chosen)));
+  document.getElementById("collection").hidden = models.length < 2;
+}
+listModels();
 document.getElementById("new-chat").addEventListener("click", () => {
   if (asking) asking.abort();
   turns = []; localStorage.removeItem(SAVED); log.replaceChildren(); input.focus();
@@ -122,7 +135,8 @@ async function ask(question) {
   try {
     const response = await fetch("/v1/chat/completions", {
       method: "POST", headers, signal: asking.signal,
-      body: JSON.stringify({ messages, stream: true, stream_options: { include_usage: true } }),
+      body: JSON.stringify({ model: modelSelect.value || undefined, messages, stream: true,
+                             stream_options: { include_usage: true } }),
     });
     if (!response.ok) {
       const body = await response.json().catch(() => ({}));

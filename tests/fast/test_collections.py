@@ -1,0 +1,140 @@
+"""The fast tier, several collections served by one process (``PREFIXRAG_CHROMA__COLLECTIONS``): each is a model
+(``prefixrag``, ``prefixrag/<name>``) and the ``collection`` of ``/ask``, ``/v1/retrieve`` and the documents
+endpoints; a question is answered from its collection alone, an upload or a deletion changes only its own, and a
+key sees only its tenant's. With the service's own ranking and with a ranking worker (one pool for every
+collection). Real on-disk Chroma, the real embedder and ingest; the fake vLLM at its seam."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+from openai import OpenAI
+
+from app.serve.app import create_app
+from ingest.pipeline import run_ingest
+from tests.fast.test_documents_api import finished
+from tests.support.corpora import ARTICLES, FACTS, app_settings
+from tests.support.fakes import FakeVLLM
+from tests.support.servers import AppServer
+
+VELMORA = b"# Velmora\n\nThe harbour of Velmora was dredged in 1911 so that steamers could dock at night.\n"
+TENANTS = {"tenants": [{"name": "crew", "keys": ["key-crew"], "collections": ["facts"], "write": True},
+                       {"name": "port", "keys": ["key-port"], "collections": ["harbour"], "write": True}]}
+
+
+def two_collections(tmp_path, embedder, workers=0):
+    """facts (four one-chunk notes) and harbour (six), in one on-disk Chroma; settings serving both."""
+    roots = {"facts": tmp_path / "facts", "harbour": tmp_path / "harbour"}
+    for root in roots.values():
+        root.mkdir()
+    for name, text in FACTS.items():
+        (roots["facts"] / name).write_text(text + "\n")
+    for title, texts in ARTICLES.items():
+        for number, text in enumerate(texts):
+            (roots["harbour"] / f"{title.lower()}-{number}.md").write_text(f"# {title}\n\n{text}\n")
+    settings = app_settings(tmp_path / "chroma", "http://unused/v1", collection="facts", top_k=3,
+                            hotness_dir=None)
+    for name, root in roots.items():
+        run_ingest([root], settings.model_copy(update={"chroma": settings.chroma.model_copy(
+            update={"collection": name})}), embedder)
+    settings.chroma.collections, settings.retrieval.workers = ["harbour"], workers
+    return settings
+
+
+def documents_of(response: httpx.Response) -> set[str]:
+    assert response.status_code == 200, response.text
+    body = response.json()
+    return {source["document"] for source in body.get("sources", body.get("data", []))}
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_each_collection_is_a_model_and_answers_only_from_itself(tmp_path, embedder, workers):
+    settings = two_collections(tmp_path, embedder, workers=workers)
+    question = "When was the lighthouse at the harbour mouth lit?"
+    with AppServer(create_app(settings, embedder=embedder, llm=FakeVLLM())) as server:
+        server.wait_ready()
+        url = server.url
+        models = [model.id for model in OpenAI(base_url=url + "/v1", api_key="none").models.list().data]
+        listed = httpx.get(url + "/v1/collections", timeout=30).json()["data"]
+        first = documents_of(httpx.post(url + "/ask", json={"question": question}, timeout=60))
+        harbour = documents_of(httpx.post(url + "/ask", json={"question": question, "collection": "harbour"},
+                                          timeout=60))
+        retrieved = documents_of(httpx.post(url + "/v1/retrieve", json={"question": question,
+                                                                        "collection": "harbour"}, timeout=60))
+        chat = OpenAI(base_url=url + "/v1", api_key="none").chat.completions.create(
+            model="prefixrag/harbour", max_tokens=4, messages=[{"role": "user", "content": question}])
+        unknown = httpx.post(url + "/ask", json={"question": question, "collection": "nowhere"}, timeout=30)
+        no_model = httpx.post(url + "/v1/chat/completions", timeout=30, json={
+            "model": "prefixrag/nowhere", "messages": [{"role": "user", "content": question}]})
+        # An upload to one collection lands there alone; a deletion there leaves the other untouched.
+        job = finished(server, httpx.post(url + "/v1/documents", params={"collection": "harbour"}, timeout=60,
+                                          files=[("files", ("velmora.md", VELMORA))]))
+        held = {name: {d["id"] for d in httpx.get(url + "/v1/documents", params={"collection": name},
+                                                  timeout=30).json()["data"]} for name in ("facts", "harbour")}
+        velmora = documents_of(httpx.post(url + "/ask", timeout=60, json={
+            "question": "When was the harbour of Velmora dredged?", "collection": "harbour"}))
+        deleted = httpx.delete(url + "/v1/documents/velmora.md", params={"collection": "harbour"}, timeout=60)
+        in_facts = httpx.delete(url + "/v1/documents/velmora.md", params={"collection": "facts"}, timeout=60)
+        after = documents_of(httpx.post(url + "/ask", timeout=60, json={
+            "question": "When was the harbour of Velmora dredged?", "collection": "harbour"}))
+    assert models == ["prefixrag", "prefixrag/harbour"]
+    assert [(c["id"], c["model"], c["ready"]) for c in listed] == [
+        ("facts", "prefixrag", True), ("harbour", "prefixrag/harbour", True)]
+    assert first and first <= set(FACTS), first
+    assert harbour and all(doc.startswith(("harbour-", "glacier-")) for doc in harbour | retrieved), harbour
+    assert chat.model == "prefixrag/harbour"
+    assert {source["document"] for source in chat.model_extra["sources"]} <= harbour | retrieved | {"harbour-1.md"}
+    assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "collection_not_found"
+    assert no_model.status_code == 404 and no_model.json()["error"]["code"] == "model_not_found"
+    assert job["status"] == "done", job
+    assert "velmora.md" in held["harbour"] and "velmora.md" not in held["facts"]
+    assert "velmora.md" in velmora
+    assert deleted.status_code == 200 and in_facts.status_code == 404
+    assert "velmora.md" not in after
+
+
+def test_a_key_sees_and_names_only_its_tenants_collections(tmp_path, embedder):
+    settings = two_collections(tmp_path, embedder)
+    keys = tmp_path / "keys.json"
+    keys.write_text(json.dumps(TENANTS))
+    settings.service.keys_file = keys
+    with AppServer(create_app(settings, embedder=embedder, llm=FakeVLLM())) as server:
+        server.wait_ready()
+
+        def call(method: str, path: str, key: str, **kwargs) -> httpx.Response:
+            return httpx.request(method, server.url + path, headers={"authorization": f"Bearer {key}"},
+                                 timeout=60, **kwargs)
+
+        models = {key: [m["id"] for m in call("GET", "/v1/models", key).json()["data"]]
+                  for key in ("key-crew", "key-port")}
+        statuses = {
+            "port asks the first": call("POST", "/ask", "key-port", json={"question": "tides?"}).status_code,
+            "port asks its own": call("POST", "/ask", "key-port", json={"question": "tides?",
+                                                                        "collection": "harbour"}).status_code,
+            "port chats by default": call("POST", "/v1/chat/completions", "key-port", json={
+                "messages": [{"role": "user", "content": "tides?"}], "max_tokens": 4}).status_code,
+            "crew names harbour's model": call("POST", "/v1/chat/completions", "key-crew", json={
+                "model": "prefixrag/harbour", "messages": [{"role": "user", "content": "tides?"}]}).status_code,
+            "crew lists harbour": call("GET", "/v1/documents", "key-crew",
+                                       params={"collection": "harbour"}).status_code,
+            "crew describes harbour": call("GET", "/v1/collections/harbour", "key-crew").status_code,
+        }
+    assert models == {"key-crew": ["prefixrag"], "key-port": ["prefixrag/harbour"]}
+    assert statuses == {"port asks the first": 404, "port asks its own": 200, "port chats by default": 404,
+                        "crew names harbour's model": 404, "crew lists harbour": 404, "crew describes harbour": 404}
+
+
+def test_a_served_collection_that_is_missing_is_refused_alone(tmp_path, embedder):
+    settings = two_collections(tmp_path, embedder)
+    settings.chroma.collections = ["harbour", "absent"]
+    with AppServer(create_app(settings, embedder=embedder, llm=FakeVLLM())) as server:
+        server.wait_ready()
+        described = httpx.get(server.url + "/v1/collections/absent", timeout=30).json()
+        absent = httpx.post(server.url + "/ask", json={"question": "tides?", "collection": "absent"}, timeout=30)
+        harbour = httpx.post(server.url + "/ask", json={"question": "tides?", "collection": "harbour"}, timeout=30)
+    assert (described["ready"], described["model"]) == (False, "prefixrag/absent")
+    assert "does not exist" in described["problem"]
+    assert absent.status_code == 503 and absent.json()["error"]["code"] == "collection_unavailable", absent.text
+    assert harbour.status_code == 200
