@@ -41,6 +41,12 @@ class NotFound(ServiceError):
     status, type, code = 404, "invalid_request_error", "not_found"
 
 
+class Conflict(ServiceError):
+    """The request contradicts what exists (a collection made twice, one configured deleted)."""
+
+    status, type, code = 409, "invalid_request_error", "conflict"
+
+
 class UnsupportedMediaType(ServiceError):
     status, type, code = 415, "invalid_request_error", "unsupported_media_type"
 

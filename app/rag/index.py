@@ -44,6 +44,9 @@ class CollectionIndex:
         self.background_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="background-read")
         self._collection: Any = None
         self._fresh: Future[None] | None = None  # a reopened store's handle being opened (``reopen``)
+        # The open handle was opened on an empty collection: embedded Chroma cannot search rows written after
+        # through it (no vector index on disk then), so ``reopen`` drops it rather than keep it meanwhile.
+        self._opened_empty = False
         self._sources: tuple[float, list[str]] = (0.0, [])
         # Indexes derived from the collection as opened (BM25, pages), each loaded or being built.
         self._derived: dict[str, Future[Any]] = {}
@@ -69,7 +72,9 @@ class CollectionIndex:
     def collection(self) -> Any:
         # Opened lazily and retried per request: the service may start before the first ingest.
         if self._collection is None:
-            self._collection = self._open()
+            opened = self._open()
+            self._opened_empty = opened.count() == 0
+            self._collection = opened
         return self._collection
 
     def _open(self) -> Any:
@@ -99,7 +104,7 @@ class CollectionIndex:
         hybrid ones are dense alone then, as BM25 reloads after). A Chroma server's opens at the next request."""
         self._sources, self._derived = (0.0, []), {}
         self.withdraw(withdrawals.withdrawn_ids(self.chroma))  # as recorded now (finished ones are cleared)
-        if self.chroma.url or self._collection is None:
+        if self.chroma.url or self._collection is None or self._opened_empty:
             if not self.chroma.url:
                 forget_clients()
             self._collection = None
@@ -116,6 +121,7 @@ class CollectionIndex:
         if self.ranks:  # questions are searched here (else worker processes search their own handles)
             with contextlib.suppress(Exception):  # an empty collection has no vector index to load
                 fresh.query(query_embeddings=self.embedder.embed(["load the vector index"]), n_results=1, include=[])
+        self._opened_empty = fresh.count() == 0
         self._collection = fresh
 
     def forget_rows(self) -> None:

@@ -37,6 +37,7 @@ def create_app(settings: Settings | None = None, *, embedder: Embedder | None = 
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         from app.runtime.readiness import publish
         from app.runtime.services import build_services
+        from app.runtime.shelf import Shelf
 
         services = await build_services(settings, embedder=embedder, metrics=metrics, llm=llm)
         freeze_start_up()  # before the first request: the collector no longer rescans what lives as long as we do
@@ -44,15 +45,14 @@ def create_app(settings: Settings | None = None, *, embedder: Embedder | None = 
         app.state.settings, app.state.upstream, app.state.metrics = settings, services.upstream, metrics
         app.state.services, app.state.service = services, services.service
         publish(metrics.registry, services.service.readiness)
+        app.state.shelf = shelf = Shelf(services)
+        shelf.serve_recorded()
+        shelf.start()
         tasks = [asyncio.create_task(services.upstream.run_forever(), name="vllm-monitor"),
                  asyncio.create_task(loop_lag.run_forever(), name="loop-lag")]
-        for name, graph in services.collections.items():
-            tasks += [asyncio.create_task(graph.warmer.run_forever(), name=f"warmer-{name}"),
-                      asyncio.create_task(graph.watcher.run_forever(settings.chroma.poll_s),
-                                          name=f"collection-watcher-{name}")]
         if services.engine_queue is not None:
             tasks.append(asyncio.create_task(services.engine_queue.run_forever(), name="engine-queue"))
-        log.info("prefixrag serving %s %s from %s; vLLM at %s", "collections" if settings.chroma.collections
+        log.info("prefixrag serving %s %s from %s; vLLM at %s", "collections" if len(services.collections) > 1
                  else "collection", ", ".join(map(repr, services.collections)),
                  settings.chroma.url or settings.chroma.path, settings.vllm.url)
         try:
@@ -62,6 +62,7 @@ def create_app(settings: Settings | None = None, *, embedder: Embedder | None = 
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
+            await shelf.aclose()
             await services.aclose()
             gc_pauses.stop()
 

@@ -83,3 +83,15 @@ class CollectionInfo(BaseModel):
 class CollectionList(BaseModel):
     object: Literal["list"] = "list"
     data: list[CollectionInfo]
+
+
+class CollectionRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    id: str = Field(description="The new collection's name: 3-512 characters of letters, digits, '.', '_' and '-', "
+                    "starting and ending with a letter or digit.")
+
+
+class CollectionDeleted(BaseModel):
+    id: str
+    object: Literal["collection.deleted"] = "collection.deleted"
+    deleted: Literal[True] = True

@@ -138,3 +138,46 @@ def test_a_served_collection_that_is_missing_is_refused_alone(tmp_path, embedder
     assert "does not exist" in described["problem"]
     assert absent.status_code == 503 and absent.json()["error"]["code"] == "collection_unavailable", absent.text
     assert harbour.status_code == 200
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_a_collection_made_over_http_is_served_at_once_and_after_a_restart_until_deleted(tmp_path, embedder,
+                                                                                         workers):
+    settings = two_collections(tmp_path, embedder, workers)
+    made = {"id": "logbook"}
+    with AppServer(create_app(settings, embedder=embedder, llm=FakeVLLM())) as server:
+        server.wait_ready()
+        url = server.url
+        created = httpx.post(url + "/v1/collections", json=made, timeout=60)
+        again = httpx.post(url + "/v1/collections", json=made, timeout=60)
+        bad = httpx.post(url + "/v1/collections", json={"id": "-no"}, timeout=60)
+        empty = httpx.post(url + "/ask", json={"question": "tides?", "collection": "logbook"}, timeout=60)
+        job = finished(server, httpx.post(url + "/v1/documents", params={"collection": "logbook"}, timeout=60,
+                                          files=[("files", ("velmora.md", VELMORA))]))
+    with AppServer(create_app(settings, embedder=embedder, llm=FakeVLLM())) as server:  # a restart
+        server.wait_ready()
+        url = server.url
+        models = [m["id"] for m in httpx.get(url + "/v1/models", timeout=30).json()["data"]]
+        cited = documents_of(httpx.post(url + "/ask", timeout=60, json={
+            "question": "When was the harbour of Velmora dredged?", "collection": "logbook"}))
+        configured = httpx.delete(url + "/v1/collections/harbour", timeout=60)
+        deleted = httpx.delete(url + "/v1/collections/logbook", timeout=60)
+        gone = httpx.post(url + "/ask", json={"question": "tides?", "collection": "logbook"}, timeout=30)
+        after = [m["id"] for m in httpx.get(url + "/v1/models", timeout=30).json()["data"]]
+    with AppServer(create_app(settings, embedder=embedder, llm=FakeVLLM())) as server:  # and another
+        server.wait_ready()
+        still = [m["id"] for m in httpx.get(server.url + "/v1/models", timeout=30).json()["data"]]
+    assert created.status_code == 201, created.text
+    assert (created.json()["model"], created.json()["ready"], created.json()["chunks"]) == ("prefixrag/logbook",
+                                                                                          True, 0)
+    assert again.status_code == 409 and again.json()["error"]["code"] == "collection_exists"
+    assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_collection_name"
+    assert empty.status_code == 200 and empty.json()["sources"] == []
+    assert job["status"] == "done", job
+    assert models == ["prefixrag", "prefixrag/harbour", "prefixrag/logbook"] and "velmora.md" in cited
+    assert configured.status_code == 409 and configured.json()["error"]["code"] == "collection_configured"
+    assert deleted.status_code == 200 and deleted.json() == {"id": "logbook", "object": "collection.deleted",
+                                                              "deleted": True}
+    assert gone.status_code == 404 and gone.json()["error"]["code"] == "collection_not_found"
+    assert after == still == ["prefixrag", "prefixrag/harbour"]
+    assert not (tmp_path / "chroma" / "prefixrag-lexical" / "logbook").exists()
