@@ -12,6 +12,8 @@ import httpx
 import pytest
 from openai import OpenAI
 
+from app.core import collections_store
+from app.core.store import open_client
 from app.serve.app import create_app
 from ingest.pipeline import run_ingest
 from tests.fast.test_documents_api import finished
@@ -181,3 +183,27 @@ def test_a_collection_made_over_http_is_served_at_once_and_after_a_restart_until
     assert gone.status_code == 404 and gone.json()["error"]["code"] == "collection_not_found"
     assert after == still == ["prefixrag", "prefixrag/harbour"]
     assert not (tmp_path / "chroma" / "prefixrag-lexical" / "logbook").exists()
+
+
+@pytest.mark.chroma_server
+def test_collections_made_uploaded_to_and_deleted_on_a_chroma_server(tmp_path, embedder, chroma_server):
+    settings = app_settings(tmp_path / "unused", "http://unused/v1", collection="served-first", top_k=3,
+                            hotness_dir=None)
+    settings.chroma.url, settings.chroma.lexical_dir = chroma_server, tmp_path / "lexical"
+    (tmp_path / "first").mkdir()
+    (tmp_path / "first" / "tides.md").write_text(FACTS["tides.md"] + "\n")
+    run_ingest([tmp_path / "first"], settings, embedder)
+    with AppServer(create_app(settings, embedder=embedder, llm=FakeVLLM())) as server:
+        server.wait_ready()
+        url = server.url
+        created = httpx.post(url + "/v1/collections", json={"id": "server-logbook"}, timeout=60)
+        job = finished(server, httpx.post(url + "/v1/documents", params={"collection": "server-logbook"},
+                                          timeout=60, files=[("files", ("velmora.md", VELMORA))]))
+        cited = documents_of(httpx.post(url + "/ask", timeout=60, json={
+            "question": "When was the harbour of Velmora dredged?", "collection": "server-logbook"}))
+        recorded = collections_store.recorded(settings.chroma)
+        deleted = httpx.delete(url + "/v1/collections/server-logbook", timeout=60)
+    names = {collection.name for collection in open_client(settings.chroma).list_collections()}
+    assert created.status_code == 201 and job["status"] == "done", (created.text, job)
+    assert "velmora.md" in cited and recorded == ["server-logbook"]
+    assert deleted.status_code == 200 and "server-logbook" not in names and "served-first" in names
