@@ -20,7 +20,7 @@ from app.vllm.client import LLMClient
 from bench.ceiling import BlockCacheCeiling
 from bench.fleet import Fleet, difference
 from bench.modes import Record, run_naive, run_naive_fill, run_prefixrag
-from bench.stats import summarise
+from bench.stats import gold_found, summarise
 
 if TYPE_CHECKING:  # torch: imported only where a harness is created
     from app.core.embedder import Embedder
@@ -183,8 +183,7 @@ class Harness:
         for mode in ("dense", "lexical", "hybrid"):
             ranked = [await asyncio.to_thread(self.retriever.retrieve_sync, q.text, depth, None, mode)
                       for q in answerable]
-            report[mode] = {f"recall@{k}": round(sum(bool({c.doc_id for c in r[:k]} & q.gold)
-                                                     for r, q in zip(ranked, answerable)) / len(answerable), 4)
+            report[mode] = {f"recall@{k}": round(gold_found(([c.doc_id for c in r[:k]] for r in ranked), answerable), 4)
                             if answerable else None for k in sorted({self.args.top_k, depth})}
         return report
 
@@ -194,7 +193,6 @@ class Harness:
         answerable = [q for q in stream if q.gold]
         ranked = [await self.retriever.retrieve(q.text, MATCH_K_MAX, mode="dense") for q in answerable]
         for k in range(self.args.top_k, MATCH_K_MAX + 1):
-            hits = sum(bool({c.doc_id for c in r[:k]} & q.gold) for r, q in zip(ranked, answerable))
-            if answerable and hits / len(answerable) >= target:
+            if answerable and gold_found(([c.doc_id for c in r[:k]] for r in ranked), answerable) >= target:
                 return k
         return MATCH_K_MAX

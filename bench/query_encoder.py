@@ -18,6 +18,7 @@ from typing import Any
 
 from bench.common import command_line, environment, write_json
 from bench.datasets import load_dataset, sample
+from bench.stats import gold_found
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -73,8 +74,7 @@ def main(argv: list[str] | None = None) -> int:
         found: Any = collection.query(query_embeddings=vectors, n_results=5, include=["metadatas"])
         documents = [{meta["doc_id"] for meta in metas} for metas in found["metadatas"]]
         reference = reference or found["ids"]
-        row["recall_at_5"] = round(sum(bool(q.gold & ids) for q, ids in zip(questions, documents, strict=True))
-                                   / len(questions), 4)
+        row["recall_at_5"] = round(gold_found(documents, questions), 4)
         row["top5_chunks_in_common_with_first"] = round(
             sum(len(set(a) & set(b)) for a, b in zip(found["ids"], reference, strict=True)) / len(questions), 3)
         row["hybrid_recall_at_5"] = hybrid_recall(encoder, dataset.collection, args.chroma, questions)
@@ -106,7 +106,7 @@ def hybrid_recall(encoder: Any, collection: str, chroma: Path, questions: list) 
             await services.aclose()
 
     found = asyncio.run(ranked())
-    return round(sum(bool(q.gold & ids) for q, ids in zip(questions, found, strict=True)) / len(questions), 4)
+    return round(gold_found(found, questions), 4)
 
 
 if __name__ == "__main__":

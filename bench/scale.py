@@ -30,7 +30,7 @@ from bench.datasets import Question, load_dataset, sample
 from bench.ingest import raw_encoder_rate, stored_texts
 from bench.scale_corpus import build_corpus, sentence_pool
 from bench.scale_stack import app_startup
-from bench.stats import ms_summary
+from bench.stats import gold_found, ms_summary
 
 MODES = ("dense", "lexical", "hybrid")
 POOL = ("scifact", "tatqa", "fastapi-docs-md", "python-3.11-docs-html")  # the other folders of ../shared/data
@@ -174,8 +174,8 @@ async def retrieval_report(settings: Any, questions: list[Question], k: int, con
                 latencies, ranked = await closed_loop(services.clients.ranker, questions, k, c)
                 cell[f"c{c}_ms"] = ms_summary(latencies, (50, 95, 99))
                 if n == 0:
-                    hits = sum(bool({chunk.doc_id for chunk in r[:k]} & q.gold) for r, q in zip(ranked, questions))
-                    cell[f"recall@{k}"] = round(hits / len(questions), 4) if questions else None
+                    found = ([chunk.doc_id for chunk in r[:k]] for r in ranked)
+                    cell[f"recall@{k}"] = round(gold_found(found, questions), 4) if questions else None
             report[mode] = cell
         finally:
             await services.aclose()

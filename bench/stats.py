@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import statistics
+from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -12,6 +14,13 @@ def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     index = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
     return ordered[index]
+
+
+def gold_found(found: Iterable[Iterable[str]], questions: Iterable[Any]) -> float:
+    """The share of ``questions`` (each with its ``gold`` document ids) whose gold is among the document ids
+    ``found`` for it, in order (0.0 for none): the recall every benchmark reports."""
+    pairs = list(zip(found, questions, strict=True))
+    return sum(bool(q.gold & set(ids)) for ids, q in pairs) / len(pairs) if pairs else 0.0
 
 
 def ms_summary(values: list[float], quantiles=(50, 95, 99)) -> dict[str, float]:
