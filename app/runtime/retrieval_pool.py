@@ -117,10 +117,12 @@ class RetrievalPool:
         epoch, rows = self.stamps.get(name := collection or self.config.chroma.collection, (0, 0))
         self.stamps[name] = (epoch, rows + 1)
 
-    def forget(self, collection: str) -> None:
-        """No longer served: workers close it at their next message."""
+    async def forget(self, collection: str) -> None:
+        """No longer served: every worker closes it now (one made again later under that name is opened afresh)."""
         self.stamps.pop(collection, None)
         self._primed.pop(collection, None)
+        await asyncio.gather(*(channel.exchange(("sync", dict(self.stamps), None)) for channel in self._channels),
+                             return_exceptions=True)  # a dead worker has nothing open
 
     async def aclose(self) -> None:
         for feeder in self._feeders:

@@ -2,9 +2,10 @@
 collection it was asked about, each over a collection handle and BM25 index of its own. It answers the serving
 process's messages: ``("prime", stamps, collection)`` opens and loads a collection the first time, and later says
 whether its reload for the current epoch is done; ``("rank", stamps, questions)`` ranks a batch, its questions
-encoded in one pass whichever collections they search. ``stamps`` carries every served collection's (epoch,
-rows): a changed epoch reloads that collection on a thread of its own while what was open answers; changed rows
-(an ingest run started writing) drop the rows read; a collection no longer in them is closed."""
+encoded in one pass whichever collections they search; ``("sync", stamps, None)`` only follows the stamps.
+``stamps`` carries every served collection's (epoch, rows): a changed epoch reloads that collection on a thread of
+its own while what was open answers; changed rows (an ingest run started writing) drop the rows read; a collection
+no longer in them is closed."""
 
 from __future__ import annotations
 
@@ -133,6 +134,8 @@ class Worker:
             opened.follow(*stamps[name])
         if kind == "prime":
             return _outcome(lambda: self.loaded(body, stamps))
+        if kind == "sync":  # the stamps alone: a collection no longer served was closed above
+            return None
         return self.rank(body, stamps)
 
     def loaded(self, name: str, stamps: dict[str, tuple[int, int]]) -> bool:

@@ -81,7 +81,7 @@ class Shelf:
             graph.planner.close()
             graph.index.close()
             if isinstance(self.services.clients.ranker, RetrievalPool):
-                self.services.clients.ranker.forget(name)
+                await self.services.clients.ranker.forget(name)
             try:
                 await asyncio.to_thread(collections_store.drop, graph.settings.chroma,
                                         self.settings.ingest.lock_timeout_s)

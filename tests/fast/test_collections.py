@@ -166,6 +166,10 @@ def test_a_collection_made_over_http_is_served_at_once_and_after_a_restart_until
         deleted = httpx.delete(url + "/v1/collections/logbook", timeout=60)
         gone = httpx.post(url + "/ask", json={"question": "tides?", "collection": "logbook"}, timeout=30)
         after = [m["id"] for m in httpx.get(url + "/v1/models", timeout=30).json()["data"]]
+        remade = httpx.post(url + "/v1/collections", json=made, timeout=60)  # the name again: nothing of before
+        fresh = documents_of(httpx.post(url + "/ask", timeout=60, json={
+            "question": "When was the harbour of Velmora dredged?", "collection": "logbook"}))
+        httpx.delete(url + "/v1/collections/logbook", timeout=60)
     with AppServer(create_app(settings, embedder=embedder, llm=FakeVLLM())) as server:  # and another
         server.wait_ready()
         still = [m["id"] for m in httpx.get(server.url + "/v1/models", timeout=30).json()["data"]]
@@ -182,6 +186,7 @@ def test_a_collection_made_over_http_is_served_at_once_and_after_a_restart_until
                                                               "deleted": True}
     assert gone.status_code == 404 and gone.json()["error"]["code"] == "collection_not_found"
     assert after == still == ["prefixrag", "prefixrag/harbour"]
+    assert remade.status_code == 201 and fresh == set()
     assert not (tmp_path / "chroma" / "prefixrag-lexical" / "logbook").exists()
 
 
