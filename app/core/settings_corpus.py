@@ -25,6 +25,10 @@ class ChromaSettings(BaseModel):
         None, description="Where ingest keeps the indexes it derives from the collection, BM25 and pages "
         "(default: beside the on-disk Chroma; data/lexical/<server> for a Chroma server).")
 
+    def serving(self, name: str) -> ChromaSettings:
+        """These settings for collection ``name`` alone (the same store)."""
+        return self.model_copy(update={"collection": name, "collections": []})
+
     @model_validator(mode="after")
     def _collections_named_once(self) -> ChromaSettings:
         names = [self.collection, *self.collections]

@@ -62,7 +62,7 @@ class _Opened:
     reload when the epoch moves."""
 
     def __init__(self, config: WorkerConfig, embedder: Embedder, name: str, epoch: int, rows: int) -> None:
-        self.config = replace(config, chroma=config.chroma.model_copy(update={"collection": name}))
+        self.config = replace(config, chroma=config.chroma.serving(name))
         self.embedder, self.epoch, self.rows = embedder, epoch, rows
         self.index, self.retriever = self._opened()
         _primed(self.retriever)

@@ -102,12 +102,16 @@ class Services:
         sampling and traffic sections (benchmarks compare strategies and limits this way)."""
         return assemble(self.clients, settings, metrics)
 
+    async def close_collection(self) -> None:
+        """What this graph holds of its collection alone: its documents' work, planner and index."""
+        await self.documents.aclose()
+        self.planner.close()
+        self.index.close()
+
     async def aclose(self) -> None:
         """Every collection's graph, then what the process holds once."""
         for graph in self.collections.values() or [self]:
-            await graph.documents.aclose()
-            graph.planner.close()
-            graph.index.close()
+            await graph.close_collection()
         clients = self.clients
         clients.prompt_ids.close()
         clients.traces.close()
@@ -164,8 +168,7 @@ async def build_services(settings: Settings, *, embedder: Embedder | None = None
 def another_collection(first: Services, name: str) -> Services:
     """Collection ``name``'s graph over ``first``'s clients, behind its admission: an index, retriever and ranker
     of its own (the same ranking workers, told which collection each question searches)."""
-    settings = first.settings.model_copy(update={"chroma": first.settings.chroma.model_copy(
-        update={"collection": name, "collections": []})})
+    settings = first.settings.model_copy(update={"chroma": first.settings.chroma.serving(name)})
     clients = first.clients
     pool = clients.ranker if isinstance(clients.ranker, RetrievalPool) else None
     index = CollectionIndex(clients.embedder, settings.chroma, clients.executor, settings.retrieval, settings.pages,

@@ -41,7 +41,7 @@ class Shelf:
         async with self._changing:
             if name in self.services.collections:
                 raise Conflict(f"collection {name!r} is served already", param="id", code="collection_exists")
-            cfg = self.settings.chroma.model_copy(update={"collection": name, "collections": []})
+            cfg = self.settings.chroma.serving(name)
             try:
                 await asyncio.to_thread(collections_store.make, cfg, self.services.clients.embedder,
                                         self.settings.ingest.lock_timeout_s)
@@ -77,9 +77,7 @@ class Shelf:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
-            await graph.documents.aclose()
-            graph.planner.close()
-            graph.index.close()
+            await graph.close_collection()
             if isinstance(self.services.clients.ranker, RetrievalPool):
                 await self.services.clients.ranker.forget(name)
             try:
