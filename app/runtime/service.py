@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable
 from dataclasses import asdict
 from typing import Any
 
@@ -32,7 +32,9 @@ class Service:
         self.pipeline, self.planner, self.traffic, self.upstream = pipeline, planner, traffic, upstream
         self.warmer, self.watcher, self.metrics = warmer, watcher, metrics
         self.max_retrievals, self._retrievals = max_retrievals, 0
-        self.watchers = [watcher]  # every served collection's, where this one answers readiness for all of them
+        # every served collection's watcher, where this one answers readiness for all of them (the composition
+        # root points it at the collections served, as they come and go)
+        self.watchers: Callable[[], Iterable[CollectionWatcher]] = lambda: (watcher,)
         watcher.subscribe(self.collection_changed)
         watcher.subscribe_writing(self.rows_changing)
 
@@ -43,7 +45,7 @@ class Service:
         reported, never waited for."""
         problem = self.watcher.problem
         if problem is None:
-            name, problem = next(((watcher.index.chroma.collection, watcher.problem) for watcher in self.watchers
+            name, problem = next(((watcher.index.chroma.collection, watcher.problem) for watcher in self.watchers()
                                   if watcher.settling), ("", None))
             problem = problem and f"collection {name!r}: {problem}"
         return Readiness(self.upstream.status(), problem, self.warmer.progress, self.traffic.status())

@@ -161,7 +161,7 @@ async def build_services(settings: Settings, *, embedder: Embedder | None = None
     services.collections[services.name] = services
     for name in settings.chroma.collections:
         services.collections[name] = another_collection(services, name)
-    services.service.watchers = [graph.watcher for graph in services.collections.values()]
+    services.service.watchers = lambda: [graph.watcher for graph in services.collections.values()]
     return services
 
 

@@ -71,7 +71,6 @@ class Shelf:
                                "__COLLECTIONS): remove it there, then delete it", param="collection",
                                code="collection_configured")
             graph = self.services.collections.pop(name)
-            self.services.service.watchers.remove(graph.watcher)
             self._share_warmup()
             for task in self._tasks.pop(name, []):
                 task.cancel()
@@ -95,7 +94,6 @@ class Shelf:
 
     def _serve(self, name: str) -> Services:
         graph = self.services.collections[name] = another_collection(self.services, name)
-        self.services.service.watchers.append(graph.watcher)
         self._share_warmup()
         if self._tasks:  # serving already: its monitors start now (else with the others, in ``start``)
             self._run(name, graph)
