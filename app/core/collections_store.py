@@ -3,7 +3,8 @@
 A collection made over HTTP exists in the store at once, empty and stamped as a finished first ingest (so a
 service answers from it, with no context, until documents are uploaded); it is recorded in a file beside the store
 (``prefixrag-collections.json``: in an on-disk Chroma's directory, for a Chroma server under ``lexical_dir``),
-so every service process started on that store serves it too. Dropping one deletes its rows and every index
+so every service process started on that store serves it too, and those running follow it at each poll
+(``app.runtime.shelf``). Dropping one deletes its rows and every index
 derived from it (BM25, pages, the document inventory, pending withdrawals) and its record.
 """
 

@@ -4,7 +4,8 @@ beside the store, ``app.core.collections_store``), and what runs for each (its p
 A collection made here is served at once, empty, by a graph of its own over the process's clients (``another_
 collection``); one dropped stops being served before its rows and indexes are deleted, so no question is answered
 from a half-deleted collection. The collections of the settings are not dropped over HTTP: a restart would serve
-them again."""
+them again. Another service process on the same store (a replica) follows the record at every poll: it serves what
+was made and stops serving what was deleted, without a restart."""
 
 from __future__ import annotations
 
@@ -26,12 +27,14 @@ class Shelf:
         self.services, self.settings = services, services.settings
         self.configured = frozenset(services.collections)
         self._tasks: dict[str, list[asyncio.Task[None]]] = {}
-        self._changing = asyncio.Lock()  # one make or drop at a time
+        self._changing = asyncio.Lock()  # one make, drop or follow of the record at a time
+        self._following: asyncio.Task[None] | None = None
 
     def start(self) -> None:
-        """Pre-warm and watch every collection served now."""
+        """Pre-warm and watch every collection served now, and follow the record of those made over HTTP."""
         for name, graph in self.services.collections.items():
             self._run(name, graph)
+        self._following = asyncio.create_task(self.follow_record(), name="collections-record")
 
     async def make(self, name: str) -> Services:
         """Create collection ``name`` empty in the store and serve it; ``Conflict`` if it exists."""
@@ -70,15 +73,7 @@ class Shelf:
                 raise Conflict(f"collection {name!r} is served by the settings (PREFIXRAG_CHROMA__COLLECTION or "
                                "__COLLECTIONS): remove it there, then delete it", param="collection",
                                code="collection_configured")
-            graph = self.services.collections.pop(name)
-            self._share_warmup()
-            for task in self._tasks.pop(name, []):
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
-            await graph.close_collection()
-            if isinstance(self.services.clients.ranker, RetrievalPool):
-                await self.services.clients.ranker.forget(name)
+            graph = await self._unserve(name)
             try:
                 await asyncio.to_thread(collections_store.drop, graph.settings.chroma,
                                         self.settings.ingest.lock_timeout_s)
@@ -86,11 +81,46 @@ class Shelf:
                 raise StoreUnavailable(str(exc)) from None
             log.info("collection %r no longer served, and deleted", name)
 
+    async def follow_record(self) -> None:
+        """Serve what another service process on this store made over HTTP, and stop serving what it deleted:
+        the record beside the store is read at every watcher poll (``PREFIXRAG_CHROMA__POLL_S``)."""
+        while True:
+            await asyncio.sleep(self.settings.chroma.poll_s)
+            try:
+                await self.follow_once()
+            except Exception as exc:  # e.g. the record unreadable for now
+                log.warning("following the record of collections made over HTTP failed (again at the next poll): %s",
+                            exc)
+
+    async def follow_once(self) -> None:
+        recorded = set(await asyncio.to_thread(collections_store.recorded, self.settings.chroma))
+        async with self._changing:
+            for name in sorted(recorded - set(self.services.collections)):
+                await self._serve(name).watcher.check_now()
+                log.info("collection %r made by another service process: served", name)
+            for name in sorted(set(self.services.collections) - recorded - self.configured):
+                await self._unserve(name)
+                log.info("collection %r deleted by another service process: no longer served", name)
+
     async def aclose(self) -> None:
         tasks = [task for running in self._tasks.values() for task in running]
+        tasks += [self._following] if self._following is not None else []
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _unserve(self, name: str) -> Services:
+        """Stop serving collection ``name``: its monitors stopped, its graph closed, every ranking worker told."""
+        graph = self.services.collections.pop(name)
+        self._share_warmup()
+        for task in self._tasks.pop(name, []):
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        await graph.close_collection()
+        if isinstance(self.services.clients.ranker, RetrievalPool):
+            await self.services.clients.ranker.forget(name)
+        return graph
 
     def _serve(self, name: str) -> Services:
         graph = self.services.collections[name] = another_collection(self.services, name)

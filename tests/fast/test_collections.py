@@ -20,6 +20,7 @@ from tests.fast.test_documents_api import finished
 from tests.support.corpora import ARTICLES, FACTS, app_settings
 from tests.support.fakes import FakeVLLM
 from tests.support.servers import AppServer
+from tests.support.vllm_state import wait_until
 
 VELMORA = b"# Velmora\n\nThe harbour of Velmora was dredged in 1911 so that steamers could dock at night.\n"
 TENANTS = {"tenants": [{"name": "crew", "keys": ["key-crew"], "collections": ["facts"], "write": True},
@@ -190,25 +191,41 @@ def test_a_collection_made_over_http_is_served_at_once_and_after_a_restart_until
     assert not (tmp_path / "chroma" / "prefixrag-lexical" / "logbook").exists()
 
 
+def models_of(url: str) -> list[str]:
+    return [model["id"] for model in httpx.get(url + "/v1/models", timeout=30).json()["data"]]
+
+
 @pytest.mark.chroma_server
-def test_collections_made_uploaded_to_and_deleted_on_a_chroma_server(tmp_path, embedder, chroma_server):
+def test_collections_made_uploaded_to_and_deleted_on_a_chroma_server_follow_on_every_replica(tmp_path, embedder,
+                                                                                            chroma_server):
+    """Two service replicas on one Chroma server: what one makes, fills and deletes over HTTP, the other serves
+    and stops serving at its next polls, without a restart."""
     settings = app_settings(tmp_path / "unused", "http://unused/v1", collection="served-first", top_k=3,
                             hotness_dir=None)
     settings.chroma.url, settings.chroma.lexical_dir = chroma_server, tmp_path / "lexical"
+    settings.chroma.poll_s = 0.2
     (tmp_path / "first").mkdir()
     (tmp_path / "first" / "tides.md").write_text(FACTS["tides.md"] + "\n")
     run_ingest([tmp_path / "first"], settings, embedder)
-    with AppServer(create_app(settings, embedder=embedder, llm=FakeVLLM())) as server:
+    velmora = {"question": "When was the harbour of Velmora dredged?", "collection": "server-logbook"}
+    with AppServer(create_app(settings, embedder=embedder, llm=FakeVLLM())) as server, \
+            AppServer(create_app(settings.model_copy(deep=True), embedder=embedder, llm=FakeVLLM())) as other:
         server.wait_ready()
+        other.wait_ready()
         url = server.url
         created = httpx.post(url + "/v1/collections", json={"id": "server-logbook"}, timeout=60)
         job = finished(server, httpx.post(url + "/v1/documents", params={"collection": "server-logbook"},
                                           timeout=60, files=[("files", ("velmora.md", VELMORA))]))
-        cited = documents_of(httpx.post(url + "/ask", timeout=60, json={
-            "question": "When was the harbour of Velmora dredged?", "collection": "server-logbook"}))
+        cited = documents_of(httpx.post(url + "/ask", timeout=60, json=velmora))
+        wait_until(lambda: "prefixrag/server-logbook" in models_of(other.url), 30, "the other replica serves it")
+        wait_until(lambda: "velmora.md" in documents_of(httpx.post(other.url + "/ask", timeout=60, json=velmora)),
+                   30, "the other replica answers from its upload")
         recorded = collections_store.recorded(settings.chroma)
         deleted = httpx.delete(url + "/v1/collections/server-logbook", timeout=60)
+        wait_until(lambda: models_of(other.url) == ["prefixrag"], 30, "the other replica no longer serves it")
+        gone = httpx.post(other.url + "/ask", json=velmora, timeout=30)
     names = {collection.name for collection in open_client(settings.chroma).list_collections()}
     assert created.status_code == 201 and job["status"] == "done", (created.text, job)
     assert "velmora.md" in cited and recorded == ["server-logbook"]
     assert deleted.status_code == 200 and "server-logbook" not in names and "served-first" in names
+    assert gone.status_code == 404 and gone.json()["error"]["code"] == "collection_not_found"
