@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import httpx
+import orjson
 
 from bench.common import command_line, environment, write_json
 
@@ -44,13 +45,14 @@ async def via_app(url: str, model: str, messages: list[dict], ids: list[int], re
     """The same two ways through the app's own vLLM client (what token-id prompts use), streamed."""
     from app.core.settings import VLLMSettings
     from app.vllm.client import LLMClient
+    from app.vllm.prompt_ids import TokenPrompt
     from app.vllm.wire import Completion
 
     llm = LLMClient(VLLMSettings(url=url + "/v1"))
     llm.use_model(model)
     request = llm.chat_request(messages, max_tokens=1, temperature=0.0, prefix_key="frontend-cost")
 
-    async def once(prompt_ids: list[int] | None) -> float:
+    async def once(prompt_ids: TokenPrompt | None) -> float:
         started = time.perf_counter()
         async for _ in llm.stream_chat(request, Completion(), prompt_ids):
             pass
@@ -59,7 +61,7 @@ async def via_app(url: str, model: str, messages: list[dict], ids: list[int], re
     timings: dict[str, list[float]] = {"app_chat": [], "app_token_ids": []}
     for _ in range(repeats):
         timings["app_chat"].append(await once(None))
-        timings["app_token_ids"].append(await once(ids))
+        timings["app_token_ids"].append(await once(TokenPrompt(orjson.dumps(ids[:1])[:-1], ids[1:])))
     await llm.aclose()
     return timings
 

@@ -25,7 +25,7 @@ from app.rag.planner import ContextPlanner
 from app.rag.requests import ChatQuery, Conversation, Lookup, Query, RequestRules
 from app.rag.retriever import Ranking
 from app.rag.seams import LLM, Ranker
-from app.vllm.prompt_ids import PromptIds
+from app.vllm.prompt_ids import PromptIds, TokenPrompt
 from app.vllm.wire import Completion, Delta, UpstreamInfo
 
 log = logging.getLogger("prefixrag.pipeline")
@@ -235,7 +235,7 @@ class Pipeline:
         yield Answer(text=completion.text, sources=sources, completion=completion, strategy=prompt.strategy,
                      timings_ms=times, prompt=prompt, cited={c.id: self.builder.cite(c) for c in sources})
 
-    async def _prompt_ids(self, prompt: Prompt, talk: Conversation) -> list[int] | None:
+    async def _prompt_ids(self, prompt: Prompt, talk: Conversation) -> TokenPrompt | None:
         """The prompt as token ids when one of its heads was seen before (vLLM then need not tokenize it); its
         heads end after the first turn's opening units, after the first of them and after the system prompt,
         and the longest seen is used. A context that opens with a hit of its own (scattered hits) is seldom

@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any, Protocol
 
 from app.core.seams import Embedder
+from app.vllm.prompt_ids import TokenPrompt
 from app.vllm.wire import Completion, Delta
 
 if TYPE_CHECKING:
@@ -31,7 +32,7 @@ class LLM(Protocol):
                      sampling: dict[str, Any] | None = None, **options: Any) -> dict[str, Any]: ...
 
     def stream_chat(self, request: dict[str, Any], result: Completion,
-                    prompt_ids: list[int] | None = None) -> AsyncIterator[Delta]: ...
+                    prompt_ids: TokenPrompt | None = None) -> AsyncIterator[Delta]: ...
 
     async def complete(self, request: dict[str, Any]) -> Any: ...
 

@@ -19,6 +19,7 @@ from yarl import URL
 
 from app.core.errors import BadRequest
 from app.core.settings import VLLMSettings
+from app.vllm.prompt_ids import TokenPrompt
 from app.vllm.wire import (
     Completion,
     Delta,
@@ -137,18 +138,18 @@ class LLMClient:
         return request
 
     async def stream_chat(self, request: dict[str, Any], result: Completion,
-                          prompt_ids: list[int] | None = None) -> AsyncIterator[Delta]:
+                          prompt_ids: TokenPrompt | None = None) -> AsyncIterator[Delta]:
         """Yield answer deltas; fill ``result`` with finish reason and usage (incl. cached tokens) as they come.
-        ``prompt_ids``: the request's prompt as token ids (``app.vllm.prompt_ids``), sent to ``/v1/completions``
-        instead of its messages; the same sampling, headers and answer. The stream is read as it arrives, a delta
-        per network read (``event_batches``): each event is one ``orjson.loads``, no typed model per chunk, and
-        the body one ``orjson.dumps`` (the relay and the request's encoding run on the event loop, for every token
-        of every answer in flight)."""
+        ``prompt_ids``: the request's prompt as token ids (``app.vllm.prompt_ids``, its JSON made there), sent to
+        ``/v1/completions`` instead of its messages; the same sampling, headers and answer. The stream is read as
+        it arrives, a delta per network read (``event_batches``): each event is one ``orjson.loads``, no typed
+        model per chunk, and the body one ``orjson.dumps`` (the relay and the request's encoding run on the event
+        loop, for every token of every answer in flight)."""
         body, headers = wire(request)
         path = "/v1/chat/completions"
         if prompt_ids is not None:
             del body["messages"]
-            body["prompt"], path = prompt_ids, "/v1/completions"
+            body["prompt"], path = orjson.Fragment(prompt_ids.json), "/v1/completions"
         payload = orjson.dumps(body)  # once: the capture line carries the very bytes sent
         if self.capture is not None:
             self.capture.write(b'{"path":%b,"headers":%b,"body":%b}\n' % (orjson.dumps(path), orjson.dumps(headers),

@@ -19,12 +19,13 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
-from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
+
+import orjson
 
 from app.core.errors import ServiceError
 from app.core.settings import VLLMSettings
@@ -38,12 +39,28 @@ LOOP_TAIL_CHARS = 2048  # a tail up to this long is tokenized on the event loop 
 Leads = list[str] | tuple[str, ...]  # where a prompt's head may end, longest first (never a bare str)
 
 
+class TokenPrompt:
+    """A prompt as token ids, in the JSON it is sent as: its head's array serialised once, when the head was
+    learnt (thousands of ids: turning them into Python ints and JSON for every request was most of the cost of
+    sending one), joined with its tail's."""
+
+    __slots__ = ("json",)
+
+    def __init__(self, head_json: bytes, tail_ids: list[int]) -> None:
+        """``head_json``: the head's JSON array without its closing bracket (``b"[1,2"``; never empty)."""
+        self.json = head_json + (b"," + orjson.dumps(tail_ids)[1:] if tail_ids else b"]")
+
+    def ids(self) -> list[int]:
+        return list(orjson.loads(self.json))
+
+
 class PromptIds:
     def __init__(self, settings: VLLMSettings, llm: Any, loaded: Callable[[], None] = lambda: None) -> None:
         self.settings, self.llm = settings, llm
         self._loaded = loaded  # called once the tokenizer is loaded (the composition root freezes what it left)
         self.tokenizer: Any = None  # the served model's (transformers), loaded once vLLM is known
-        self.heads: OrderedDict[bytes, tuple[array[int], int]] = OrderedDict()  # head -> (its ids, where tails start)
+        # head -> (its ids as a JSON array without the closing bracket, where tails start)
+        self.heads: OrderedDict[bytes, tuple[bytes, int]] = OrderedDict()
         # A request's ids are made on the event loop: rendering, a lookup and a short tail's tokenization, a
         # fraction of a millisecond, where a hop to a thread waits for the interpreter's lock that a busy loop
         # holds, and the requests queued behind a long tail's. A long tail is tokenized on a thread; learning (a
@@ -71,7 +88,7 @@ class PromptIds:
             self._loading = self._spawn(self._load(self.settings.tokenizer or info.root))
 
     async def ids(self, messages: list[dict[str, Any]], question: str,
-                  leads: Leads = ()) -> list[int] | None:
+                  leads: Leads = ()) -> TokenPrompt | None:
         """The prompt's token ids, exactly as vLLM would make them; None: send it as a chat (no tokenizer here,
         no head's end found in the rendering, or none of its heads learnt yet). The head ends after the first
         of ``leads`` (longest first: the context's opening units, shared by every question about them whatever
@@ -89,13 +106,13 @@ class PromptIds:
             log.warning("prompt sent as a chat: its token ids failed (%s)", exc)
             return None
 
-    async def _with_tail(self, head_ids: array[int], tail: str) -> list[int]:
+    async def _with_tail(self, head_json: bytes, tail: str) -> TokenPrompt:
         if len(tail) <= LOOP_TAIL_CHARS:
             tail_ids = _encode(self.tokenizer, tail)
         else:
             loop = asyncio.get_running_loop()
             tail_ids = await loop.run_in_executor(self._tails, _encode, self._tails_tokenizer, tail)
-        return head_ids.tolist() + tail_ids
+        return TokenPrompt(head_json, tail_ids)
 
     async def learn(self, messages: list[dict[str, Any]], lead: str) -> None:
         """Learn the head of a prompt sent ahead of the questions that will open with ``lead`` (pre-warm's units),
@@ -131,7 +148,7 @@ class PromptIds:
         return task
 
     def _known_head(self, messages: list[dict[str, Any]], question: str, leads: Leads
-                    ) -> tuple[tuple[array[int], str] | None, tuple[bytes, str, int] | None]:
+                    ) -> tuple[tuple[bytes, str] | None, tuple[bytes, str, int] | None]:
         """((the ids of the longest head learnt, the rest of the prompt's text) or None, (the longest head's key,
         the rendered prompt, where that head ends) or None if no head's end was found)."""
         text = self._render(messages)
@@ -141,8 +158,8 @@ class PromptIds:
             longest = longest or (key, text, cut)
             if (head := self.heads.get(key)) is not None:
                 self.heads.move_to_end(key)
-                head_ids, tail_start = head
-                return (head_ids, text[tail_start:]), longest
+                head_json, tail_start = head
+                return (head_json, text[tail_start:]), longest
         return None, longest
 
     async def _learn(self, messages: list[dict[str, Any]], key: bytes, text: str, cut: int) -> None:
@@ -161,7 +178,7 @@ class PromptIds:
                 log.warning("the local tokenizer disagrees with vLLM's on a prompt: token-id prompts off")
                 self.tokenizer = None
                 return
-            _remember(self.heads, key, (array("l", ids[:first_tail_token]), tail_start))
+            _remember(self.heads, key, (orjson.dumps(ids[:first_tail_token])[:-1], tail_start))
         except ServiceError as exc:  # vLLM busy or gone: the next request tries again
             log.info("a prompt head was not learnt: %s", exc.message)
         except Exception as exc:  # the tokenizer failed on it: chats, as before

@@ -67,7 +67,7 @@ class FakeVLLM(LLMClient):
             self.blocks.add(block)
         return len(tokens), cached
 
-    async def stream_chat(self, request: dict, result: Completion, prompt_ids: list[int] | None = None):
+    async def stream_chat(self, request: dict, result: Completion, prompt_ids=None):
         assert prompt_ids is None  # token-id prompts need the served tokenizer on this machine: never here
         result.prompt_tokens, result.cached_tokens = self._serve(request)
         for word in self.answer.split(" ")[:request["max_tokens"]]:
