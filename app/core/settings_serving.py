@@ -153,16 +153,18 @@ class WarmupSettings(BaseModel):
         "bounds its compute on a slow machine whatever the cache size (0: warm only the system prompt).")
     max_s: float = Field(600.0, gt=0, description="Pre-warm stops after this many seconds (time spent "
                          "paused for user traffic included).")
-    concurrency: int = Field(2, ge=1, description="Pre-warm requests in flight (background, bounded).")
+    concurrency: int = Field(2, ge=1, description="Pre-warm requests in flight (background, bounded; every "
+                             "collection served counts towards it).")
     piece_tokens: int = Field(
         256, ge=0, description="Pre-warm sends a unit in growing pieces, each cut at the first chunk boundary past "
         "this many new prompt tokens (0: whole): vLLM finishes an engine step before it takes a newly arrived "
         "user request, so the step a warm-up can occupy must be short; larger pieces warm faster, and delay a "
         "question asked meanwhile more.")
     beside_users: int = Field(
-        1, ge=0, description="Pre-warm requests that may run at once while users' requests are present, only while "
-        "vLLM's last reading of its queue showed none waiting (admission 'auto' reads it): under steady traffic "
-        "pre-warm still progresses, e.g. after an ingest. 0: pre-warm runs only while no user request is present.")
+        1, ge=0, description="Pre-warm requests (every collection's together) that may run at once while users' "
+        "requests are present, only while vLLM's last reading of its queue showed none waiting (admission 'auto' "
+        "reads it): under steady traffic pre-warm still progresses, e.g. after an ingest. 0: pre-warm runs only "
+        "while no user request is present.")
     priority: int = Field(
         10, ge=1, description="vLLM priority of pre-warm requests (user requests: 0; lower goes first). Needs "
         "vLLM started with --scheduling-policy priority, as python -m app.vllm_server does; elsewhere it is dropped.")

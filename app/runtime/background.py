@@ -24,10 +24,14 @@ T = TypeVar("T")
 
 
 class Background:
-    def __init__(self, traffic: LiveTraffic, beside_users: int = 0) -> None:
-        """``beside_users``: background requests that may run at once while users are present (0: none)."""
+    """One per admission: every collection's pre-warm shares it, so the bounds hold for all of them together."""
+
+    def __init__(self, traffic: LiveTraffic, beside_users: int = 0, concurrency: int = 1) -> None:
+        """``beside_users``: background requests that may run at once while users are present (0: none);
+        ``concurrency``: background requests in flight at most, users present or not."""
         self.traffic, self.beside_users = traffic, beside_users
         self.beside = 0  # background requests running while users are present
+        self._slots = asyncio.Semaphore(concurrency)
 
     @contextlib.contextmanager
     def reads(self) -> Iterator[None]:
@@ -43,12 +47,13 @@ class Background:
         queues) and run it again in its next turn."""
         traffic = self.traffic
         while True:
-            beside = await self._turn()
-            self.beside += beside
-            try:  # cancelling ``work`` closes its HTTP request
-                finished, result = await unless(work(), (traffic.congested if beside else traffic.busy).wait())
-            finally:
-                self.beside -= beside
+            async with self._slots:
+                beside = await self._turn()
+                self.beside += beside
+                try:  # cancelling ``work`` closes its HTTP request
+                    finished, result = await unless(work(), (traffic.congested if beside else traffic.busy).wait())
+                finally:
+                    self.beside -= beside
             if finished:
                 return result  # type: ignore[return-value]  # finished: work's own result
             traffic.yields += 1

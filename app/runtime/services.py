@@ -166,8 +166,9 @@ async def build_services(settings: Settings, *, embedder: Embedder | None = None
 
 
 def another_collection(first: Services, name: str) -> Services:
-    """Collection ``name``'s graph over ``first``'s clients, behind its admission: an index, retriever and ranker
-    of its own (the same ranking workers, told which collection each question searches)."""
+    """Collection ``name``'s graph over ``first``'s clients, behind its admission and within its pre-warm's
+    bounds: an index, retriever and ranker of its own (the same ranking workers, told which collection each
+    question searches)."""
     settings = first.settings.model_copy(update={"chroma": first.settings.chroma.serving(name)})
     clients = first.clients
     pool = clients.ranker if isinstance(clients.ranker, RetrievalPool) else None
@@ -176,16 +177,15 @@ def another_collection(first: Services, name: str) -> Services:
     retriever = Retriever(index, clients.embedder, settings.retrieval, encoders=max(1, retrieve_threads(settings) // 2))
     own = replace(clients, settings=settings, index=index, retriever=retriever,
                   ranker=pool.serving(name) if pool else retriever)
-    graph = assemble(own, warm_share(settings, len(first.settings.chroma.collections) + 1), first.metrics,
-                     first.traffic)
+    graph = assemble(own, warm_share(settings, len(first.settings.chroma.collections) + 1), first.metrics, first)
     graph.collections = first.collections
     return graph
 
 
 def assemble(clients: Clients, settings: Settings, metrics: ServiceMetrics,
-             traffic: LiveTraffic | None = None) -> Services:
+             shared: Services | None = None) -> Services:
     """One configured pipeline over ``clients``, with its planner, pre-warm, collection watcher and admission
-    (``traffic``: another collection's, shared; else its own)."""
+    (``shared``: another collection's graph, whose admission and pre-warm's bounds this one shares)."""
     builder = PromptBuilder(clients.templates)
     # Untrusted text never carries the served tokenizer's special tokens, whatever vLLM serves now.
     clients.upstream.subscribe(lambda info: builder.inert.use(info.special_tokens))
@@ -194,13 +194,14 @@ def assemble(clients: Clients, settings: Settings, metrics: ServiceMetrics,
                              clients.settings.chroma.collection, estimator)
     clients.upstream.subscribe(planner.fit_units)
     clients.upstream.subscribe(metrics.observe_kv_tiers)
-    shared, traffic = traffic is not None, traffic or admission(settings.traffic)
+    traffic = shared.traffic if shared is not None else admission(settings.traffic)
     pipeline = Pipeline(settings.limits, settings.sampling, clients.index, clients.ranker, clients.llm, builder,
                         planner, estimator, metrics, clients.prompt_ids, clients.traces,
                         RouteKeys(settings.vllm.spread_hot_units))
-    warmer = Warmer(settings.warmup, planner, clients.llm, estimator, clients.upstream, traffic, clients.prompt_ids)
+    warmer = Warmer(settings.warmup, planner, clients.llm, estimator, clients.upstream, traffic, clients.prompt_ids,
+                    shared.warmer.background if shared is not None else None)
     queue = None
-    if traffic.auto and not shared:
+    if traffic.auto and shared is None:
         queue = EngineQueue(traffic, clients.upstream, settings.traffic.load_interval_s)
     watcher = CollectionWatcher(clients.index, clients.ranker)
     if isinstance(clients.ranker, RetrievalPool | CollectionRanker):

@@ -53,10 +53,13 @@ class WarmupProgress:
 
 class Warmer:
     def __init__(self, settings: WarmupSettings, planner: ContextPlanner, llm: LLM, estimator: TokenEstimator,
-                 upstream: Upstream, traffic: LiveTraffic, prompt_ids: PromptIds) -> None:
+                 upstream: Upstream, traffic: LiveTraffic, prompt_ids: PromptIds,
+                 background: Background | None = None) -> None:
+        """``background``: another collection's, whose bounds this pre-warm shares (else its own)."""
         self.settings, self.planner, self.llm, self.estimator = settings, planner, llm, estimator
         self.prompt_ids = prompt_ids  # a warmed unit's prompt head is learnt: its first question goes as token ids
-        self.upstream, self.background = upstream, Background(traffic, settings.beside_users)
+        self.upstream = upstream
+        self.background = background or Background(traffic, settings.beside_users, settings.concurrency)
         self.progress = WarmupProgress()
         self.priority = settings.priority  # dropped (0) if vLLM does not schedule by priority
         # What is cached now, with each prompt's routing key (benchmarks prime their ceiling with it and replay it).

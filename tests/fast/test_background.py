@@ -39,7 +39,7 @@ def auto() -> LiveTraffic:
 
 async def test_with_users_present_background_runs_only_while_vllm_has_room_and_within_its_share():
     traffic, requests, user_leaves = auto(), Requests(), asyncio.Event()
-    background = Background(traffic, beside_users=1)
+    background = Background(traffic, beside_users=1, concurrency=2)
 
     async def user() -> None:
         async with traffic.slot():

@@ -6,6 +6,7 @@ collection). Real on-disk Chroma, the real embedder and ingest; the fake vLLM at
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import httpx
@@ -96,6 +97,35 @@ def test_each_collection_is_a_model_and_answers_only_from_itself(tmp_path, embed
     assert "velmora.md" in velmora
     assert deleted.status_code == 200 and in_facts.status_code == 404
     assert "velmora.md" not in after
+
+
+class SlowWarmups(FakeVLLM):
+    """Each warm-up request takes a while; the most in flight at once is recorded."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.running = self.most = 0
+
+    async def complete(self, request: dict):
+        self.running += 1
+        self.most = max(self.most, self.running)
+        try:
+            await asyncio.sleep(0.05)
+            return await super().complete(request)
+        finally:
+            self.running -= 1
+
+
+def test_pre_warm_keeps_its_bounds_for_every_collection_together(tmp_path, embedder):
+    """``PREFIXRAG_WARMUP__CONCURRENCY`` bounds the warm-up requests of all the collections served, not each's."""
+    settings = two_collections(tmp_path, embedder)
+    settings.warmup.concurrency = 1
+    llm = SlowWarmups()
+    with AppServer(create_app(settings, embedder=embedder, llm=llm)) as server:
+        server.wait_ready()
+        wait_until(lambda: all(collection["warmup"]["state"] == "done" for collection in httpx.get(
+            server.url + "/v1/collections", timeout=30).json()["data"]), 60, "both collections warmed")
+    assert llm.most == 1
 
 
 def test_a_key_sees_and_names_only_its_tenants_collections(tmp_path, embedder):
