@@ -32,7 +32,7 @@ from app.core.settings import VLLMSettings
 
 log = logging.getLogger("prefixrag.prompt_ids")
 MARGIN_TOKENS = 16
-HEADS = 512  # heads kept (one per unit, page or conversation start; ~16 KB each at 4K tokens)
+HEADS = 512  # heads kept (one per unit, page or conversation start; ~24 KB of JSON each at 4K tokens)
 LEARNING = 2  # heads checked against vLLM at a time (background work; more wait for a later request)
 LOOP_TAIL_CHARS = 2048  # a tail up to this long is tokenized on the event loop (~0.5 ms at most), a longer one on
 # a thread, where the tokenizer releases the interpreter's lock (a prompt whose only head known is the system's)
