@@ -15,7 +15,6 @@ import time
 from pathlib import Path
 
 import httpx
-import orjson
 
 from bench.common import command_line, environment, write_json
 
@@ -61,7 +60,7 @@ async def via_app(url: str, model: str, messages: list[dict], ids: list[int], re
     timings: dict[str, list[float]] = {"app_chat": [], "app_token_ids": []}
     for _ in range(repeats):
         timings["app_chat"].append(await once(None))
-        timings["app_token_ids"].append(await once(TokenPrompt(orjson.dumps(ids[:1])[:-1], ids[1:])))
+        timings["app_token_ids"].append(await once(TokenPrompt(TokenPrompt.open_array(ids), [])))
     await llm.aclose()
     return timings
 

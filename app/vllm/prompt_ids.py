@@ -47,8 +47,13 @@ class TokenPrompt:
     __slots__ = ("json",)
 
     def __init__(self, head_json: bytes, tail_ids: list[int]) -> None:
-        """``head_json``: the head's JSON array without its closing bracket (``b"[1,2"``; never empty)."""
+        """``head_json``: the head's ids as ``open_array`` makes them (never empty)."""
         self.json = head_json + (b"," + orjson.dumps(tail_ids)[1:] if tail_ids else b"]")
+
+    @staticmethod
+    def open_array(head_ids: list[int]) -> bytes:
+        """A head's ids as a JSON array without its closing bracket (``b"[1,2"``), for tails to join."""
+        return orjson.dumps(head_ids)[:-1]
 
     def ids(self) -> list[int]:
         return list(orjson.loads(self.json))
@@ -149,7 +154,7 @@ class PromptIds:
 
     def _known_head(self, messages: list[dict[str, Any]], question: str, leads: Leads
                     ) -> tuple[tuple[bytes, str] | None, tuple[bytes, str, int] | None]:
-        """((the ids of the longest head learnt, the rest of the prompt's text) or None, (the longest head's key,
+        """((the longest head learnt's ids as JSON, the rest of the prompt's text) or None, (the longest head's key,
         the rendered prompt, where that head ends) or None if no head's end was found)."""
         text = self._render(messages)
         longest = None
@@ -178,7 +183,7 @@ class PromptIds:
                 log.warning("the local tokenizer disagrees with vLLM's on a prompt: token-id prompts off")
                 self.tokenizer = None
                 return
-            _remember(self.heads, key, (orjson.dumps(ids[:first_tail_token])[:-1], tail_start))
+            _remember(self.heads, key, (TokenPrompt.open_array(ids[:first_tail_token]), tail_start))
         except ServiceError as exc:  # vLLM busy or gone: the next request tries again
             log.info("a prompt head was not learnt: %s", exc.message)
         except Exception as exc:  # the tokenizer failed on it: chats, as before

@@ -53,6 +53,10 @@ def documents_of(response: httpx.Response) -> set[str]:
     return {source["document"] for source in body.get("sources", body.get("data", []))}
 
 
+def models_of(url: str) -> list[str]:
+    return [model["id"] for model in httpx.get(url + "/v1/models", timeout=30).json()["data"]]
+
+
 @pytest.mark.parametrize("workers", [0, 1])
 def test_each_collection_is_a_model_and_answers_only_from_itself(tmp_path, embedder, workers):
     settings = two_collections(tmp_path, embedder, workers=workers)
@@ -190,20 +194,20 @@ def test_a_collection_made_over_http_is_served_at_once_and_after_a_restart_until
     with AppServer(create_app(settings, embedder=embedder, llm=FakeVLLM())) as server:  # a restart
         server.wait_ready()
         url = server.url
-        models = [m["id"] for m in httpx.get(url + "/v1/models", timeout=30).json()["data"]]
+        models = models_of(url)
         cited = documents_of(httpx.post(url + "/ask", timeout=60, json={
             "question": "When was the harbour of Velmora dredged?", "collection": "logbook"}))
         configured = httpx.delete(url + "/v1/collections/harbour", timeout=60)
         deleted = httpx.delete(url + "/v1/collections/logbook", timeout=60)
         gone = httpx.post(url + "/ask", json={"question": "tides?", "collection": "logbook"}, timeout=30)
-        after = [m["id"] for m in httpx.get(url + "/v1/models", timeout=30).json()["data"]]
+        after = models_of(url)
         remade = httpx.post(url + "/v1/collections", json=made, timeout=60)  # the name again: nothing of before
         fresh = documents_of(httpx.post(url + "/ask", timeout=60, json={
             "question": "When was the harbour of Velmora dredged?", "collection": "logbook"}))
         httpx.delete(url + "/v1/collections/logbook", timeout=60)
     with AppServer(create_app(settings, embedder=embedder, llm=FakeVLLM())) as server:  # and another
         server.wait_ready()
-        still = [m["id"] for m in httpx.get(server.url + "/v1/models", timeout=30).json()["data"]]
+        still = models_of(server.url)
     assert created.status_code == 201, created.text
     assert (created.json()["model"], created.json()["ready"], created.json()["chunks"]) == ("prefixrag/logbook",
                                                                                           True, 0)
@@ -219,10 +223,6 @@ def test_a_collection_made_over_http_is_served_at_once_and_after_a_restart_until
     assert after == still == ["prefixrag", "prefixrag/harbour"]
     assert remade.status_code == 201 and fresh == set()
     assert not (tmp_path / "chroma" / "prefixrag-lexical" / "logbook").exists()
-
-
-def models_of(url: str) -> list[str]:
-    return [model["id"] for model in httpx.get(url + "/v1/models", timeout=30).json()["data"]]
 
 
 @pytest.mark.chroma_server

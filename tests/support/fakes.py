@@ -16,6 +16,7 @@ from types import SimpleNamespace
 from app.core.errors import ContextTooLong
 from app.core.settings import VLLMSettings
 from app.vllm.client import LLMClient
+from app.vllm.prompt_ids import TokenPrompt
 from app.vllm.testmodel import CHAT_TEMPLATE
 from app.vllm.wire import Completion, Delta
 
@@ -67,7 +68,7 @@ class FakeVLLM(LLMClient):
             self.blocks.add(block)
         return len(tokens), cached
 
-    async def stream_chat(self, request: dict, result: Completion, prompt_ids=None):
+    async def stream_chat(self, request: dict, result: Completion, prompt_ids: TokenPrompt | None = None):
         assert prompt_ids is None  # token-id prompts need the served tokenizer on this machine: never here
         result.prompt_tokens, result.cached_tokens = self._serve(request)
         for word in self.answer.split(" ")[:request["max_tokens"]]:
