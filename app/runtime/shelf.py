@@ -93,8 +93,8 @@ class Shelf:
                             exc)
 
     async def follow_once(self) -> None:
-        recorded = set(await asyncio.to_thread(collections_store.recorded, self.settings.chroma))
-        async with self._changing:
+        async with self._changing:  # the record read under the lock: a make or drop of ours lands before or after
+            recorded = set(await asyncio.to_thread(collections_store.recorded, self.settings.chroma))
             for name in sorted(recorded - set(self.services.collections)):
                 await self._serve(name).watcher.check_now()
                 log.info("collection %r made by another service process: served", name)
