@@ -141,6 +141,23 @@ class CollectionIndex:
         withdrawn = self.withdrawn
         return [chunk for chunk in chunks if chunk.id not in withdrawn] if withdrawn else chunks
 
+    def query(self, **search: Any) -> dict[str, Any]:
+        """A vector search (Chroma's ``query``) on the open handle. One opened on the empty collection fails
+        ("Nothing found on disk") once another process has written rows whose vector index is not on disk yet,
+        as while an upload fills a collection made empty; a handle opened afresh searches them: the search is
+        retried once on one."""
+        handle, opened_empty = self.collection, self._opened_empty
+        with chroma_errors("query"):
+            try:
+                return dict(handle.query(**search))
+            except Exception:
+                if self.chroma.url or not (opened_empty or handle is not self._collection):
+                    raise
+            if handle is self._collection:  # (else another thread has opened one afresh already)
+                forget_clients()  # handles open elsewhere keep working on the state they saw
+                self._collection = None
+            return dict(self.collection.query(**search))
+
     async def count(self) -> int:
         """Chunks in the collection (cheap: no documents are read)."""
         return await self.run(self._count)

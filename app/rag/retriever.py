@@ -12,7 +12,7 @@ from typing import Any
 from app.core.lexical import LexicalIndex
 from app.core.settings import ChromaSettings, PageSettings, RetrievalSettings
 from app.rag.context import ContextChunk
-from app.rag.index import CollectionIndex, chroma_errors, to_chunk
+from app.rag.index import CollectionIndex, to_chunk
 from app.rag.seams import Embedder
 from app.rag.vectors import QuestionVectors
 
@@ -109,18 +109,16 @@ class Retriever:
             depth, where = asked[group[0]].depth, asked[group[0]].where
             if asked[group[0]].sources == set():
                 continue
-            with chroma_errors("query"):
-                found = self.index.collection.query(query_embeddings=[vectors[n] for n in group], n_results=depth,
-                                                    where=where, include=[])
+            found = self.index.query(query_embeddings=[vectors[n] for n in group], n_results=depth, where=where,
+                                     include=[])
             for n, found_ids in zip(group, found["ids"], strict=True):
                 ids[n] = found_ids
         return ids
 
     def _dense(self, question: str, k: int, where: dict[str, Any] | None,
                vector: list[float] | None) -> list[ContextChunk]:
-        with chroma_errors("query"):
-            found = self.index.collection.query(query_embeddings=[self._vector(question, vector)], n_results=k,
-                                                where=where, include=["documents", "metadatas", "distances"])
+        found = self.index.query(query_embeddings=[self._vector(question, vector)], n_results=k, where=where,
+                                 include=["documents", "metadatas", "distances"])
         rows = zip(found["ids"][0], found["documents"][0], found["metadatas"][0], found["distances"][0])
         # A handle opened before another process deleted rows (a reload still opening the store) finds their ids
         # in its vector index with no row behind them: left out.

@@ -7,6 +7,7 @@ collection). Real on-disk Chroma, the real embedder and ingest; the fake vLLM at
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 
 import httpx
@@ -18,7 +19,7 @@ from app.core.store import open_client
 from app.serve.app import create_app
 from ingest.pipeline import run_ingest
 from tests.fast.test_documents_api import finished
-from tests.support.corpora import ARTICLES, FACTS, app_settings
+from tests.support.corpora import ARTICLES, FACTS, app_settings, paragraphs
 from tests.support.fakes import FakeVLLM
 from tests.support.servers import AppServer
 from tests.support.vllm_state import wait_until
@@ -259,3 +260,27 @@ def test_collections_made_uploaded_to_and_deleted_on_a_chroma_server_follow_on_e
     assert "velmora.md" in cited and recorded == ["server-logbook"]
     assert deleted.status_code == 200 and "server-logbook" not in names and "served-first" in names
     assert gone.status_code == 404 and gone.json()["error"]["code"] == "collection_not_found"
+
+
+def test_questions_asked_while_an_upload_fills_a_collection_made_empty_are_answered(tmp_path, embedder):
+    """With a ranking worker, whose store handle was opened on the empty collection: every question asked while the
+    upload's chunks are written gets an answer (with what is searchable so far), and the upload's text once done."""
+    settings = two_collections(tmp_path, embedder, workers=1)
+    notes = [("velmora.md", VELMORA)] + [(f"note-{n:03d}.md", f"# Note {n}\n\n{text}\n".encode())
+                                         for n, text in enumerate(paragraphs() * 3)]
+    statuses: collections.Counter[int] = collections.Counter()
+    with AppServer(create_app(settings, embedder=embedder, llm=FakeVLLM())) as server:
+        server.wait_ready()
+        url, question = server.url, {"question": "When was the harbour of Velmora dredged?", "collection": "logbook"}
+        assert httpx.post(url + "/v1/collections", json={"id": "logbook"}, timeout=60).status_code == 201
+        assert httpx.post(url + "/ask", json=question, timeout=60).status_code == 200  # the worker opens it empty
+        accepted = httpx.post(url + "/v1/documents", params={"collection": "logbook"}, timeout=60, files=[
+            ("files", note) for note in notes])
+        location = url + accepted.headers["location"]
+        while httpx.get(location, timeout=10).json()["status"] in ("queued", "running"):
+            statuses[httpx.post(url + "/ask", json=question, timeout=60).status_code] += 1
+        job = finished(server, accepted)
+        cited = documents_of(httpx.post(url + "/ask", json=question, timeout=60))
+    assert job["status"] == "done", job
+    assert set(statuses) == {200}, statuses
+    assert "velmora.md" in cited

@@ -325,6 +325,26 @@ def test_a_reload_opens_the_store_beside_the_questions_which_search_the_open_han
     index.close()
 
 
+def test_a_handle_opened_on_the_empty_collection_finds_what_another_process_writes_before_its_reload(tmp_path,
+                                                                                                       embedder):
+    """A collection made empty (``POST /v1/collections``) is opened by a ranking worker, then an upload writes into
+    it: embedded Chroma's handle opened empty fails every vector search while the rows' vector index is not on disk
+    (until the writer's first flush, 1,000 rows), so a question asked during the upload got a 503."""
+    from app.core.store import forget_clients, open_collection
+    from ingest.pipeline import run_ingest
+    from tests.support.env import ROOT
+
+    settings = app_settings(tmp_path / "chroma", "http://unused/v1", collection="made-empty")
+    open_collection(settings.chroma, embedder, create=True)
+    retriever = Retriever.over(embedder, settings.chroma, ThreadPoolExecutor(1), settings.retrieval)
+    assert retriever.rank_sync("What is vLLM?", 3, mode="dense").chunks == []  # opened on the empty collection
+    forget_clients()  # the upload's writer, as another process: the open handle keeps the state it saw
+    run_ingest([ROOT / "examples" / "docs"], settings, embedder)
+    found = retriever.rank_sync("What is vLLM?", 3, mode="dense").chunks
+    assert len(found) == 3 and all(chunk.text for chunk in found)
+    retriever.index.close()
+
+
 def test_forgetting_clients_while_another_thread_opens_one_never_breaks_the_open(tmp_path):
     """A reload drops Chroma's cached clients on its thread while a question's thread may be opening one: Chroma
     registers the new client and reads it back, and a clear in between failed that open (KeyError, a 503)."""
