@@ -228,10 +228,6 @@ class ServiceSettings(BaseModel):
                                 "it); checked while the body streams in, after authentication.")
     max_upload_bytes: int = Field(64 * 1024 * 1024, ge=1024, description="Largest upload to POST /v1/documents "
                                   "(413 above it, before anything is stored); checked like max_body_bytes.")
-    switch_interval_ms: float | None = Field(
-        None, gt=0, le=100, description="The interpreter's thread switch interval in the serving process (ms; "
-        "unset: Python's own, 5): the longest the event loop waits, after each socket read or write, for the "
-        "interpreter's lock that a helper thread (tokenizing a long prompt tail, reading Chroma) holds.")
     prompts_dir: Path = Field(Path(__file__).resolve().parents[2] / "prompts", description="Prompt templates.")
     model_id: str = Field("prefixrag", description="Model id the OpenAI-compatible API lists.")
     append_sources: bool = Field(False, description="Append a 'Sources:' list to chat answers for text-only UIs.")

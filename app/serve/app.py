@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -42,8 +41,6 @@ def create_app(settings: Settings | None = None, *, embedder: Embedder | None = 
 
         services = await build_services(settings, embedder=embedder, metrics=metrics, llm=llm)
         freeze_start_up()  # before the first request: the collector no longer rescans what lives as long as we do
-        if settings.service.switch_interval_ms is not None:
-            sys.setswitchinterval(settings.service.switch_interval_ms / 1000)
         gc_pauses.start()
         app.state.settings, app.state.upstream, app.state.metrics = settings, services.upstream, metrics
         app.state.services, app.state.service = services, services.service
