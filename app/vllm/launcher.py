@@ -27,16 +27,19 @@ def resolve_model(cfg: VLLMServerSettings) -> tuple[str, str, list[str]]:
     if cfg.test_model:
         from app.vllm.testmodel import write_test_model
 
-        folder = write_test_model(cfg.cache_dir / "test-model", max(cfg.max_model_len, 32768))
+        folder = write_test_model(cfg.cache_dir.resolve() / "test-model", max(cfg.max_model_len, 32768))
         return str(folder), cfg.served_model_name or TEST_MODEL_NAME, ["--load-format", "dummy"]
     if cfg.model == "smollm2":
         from app.vllm.smollm2 import convert_smollm2
 
-        folder = convert_smollm2(cfg.cache_dir / "smollm2-135m-instruct")
+        folder = convert_smollm2(cfg.cache_dir.resolve() / "smollm2-135m-instruct")
         return str(folder), cfg.served_model_name or "SmolLM2-135M-Instruct", []
     if not cfg.model:
         raise SystemExit("error: no model: set PREFIXRAG_VLLM_SERVER__MODEL, pass --model, or use --test-model")
-    return cfg.model, cfg.served_model_name or cfg.model, []
+    # A folder by its absolute path: vLLM reports it as the model's root, where the query service, started from
+    # any directory, finds the tokenizer its token-id prompts need (a relative one turned them off silently).
+    model = str(Path(cfg.model).resolve()) if Path(cfg.model).is_dir() else cfg.model
+    return model, cfg.served_model_name or cfg.model, []
 
 
 def cpu_flags() -> set[str]:

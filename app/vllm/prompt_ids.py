@@ -211,8 +211,8 @@ class PromptIds:
 
     async def _load(self, path: str | None) -> None:
         if not path or not Path(path).is_dir():
-            log.info("token-id prompts off: the served model's tokenizer is not on this machine (%s); "
-                     "PREFIXRAG_VLLM__TOKENIZER names a local copy", path)
+            log.warning("token-id prompts off: the served model's tokenizer is not on this machine (%s), so vLLM "
+                        "renders and tokenizes every prompt again; PREFIXRAG_VLLM__TOKENIZER names a local copy", path)
             return
         loop = asyncio.get_running_loop()
         try:

@@ -84,3 +84,14 @@ def test_cpu_without_native_bf16_serves_float32_unless_a_dtype_was_chosen(tmp_pa
     cfg = VLLMServerSettings(model=str(tmp_path))
     assert flags(build_command(cfg, gpu=False)[0])["--dtype"] == "float32"
     assert flags(build_command(cfg, gpu=True)[0])["--dtype"] == "auto"
+
+
+def test_a_model_folder_given_by_a_relative_path_is_served_by_its_absolute_one(tmp_path, monkeypatch):
+    """vLLM reports the folder it was given as the model's root, where the query service looks for the tokenizer
+    its token-id prompts need: a relative one meant nothing to a service started from another directory."""
+    (tmp_path / "models" / "mine").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    served = flags(build_command(VLLMServerSettings(model="models/mine"), gpu=True)[0])
+    assert (served["--model"], served["--served-model-name"]) == (str(tmp_path / "models" / "mine"), "models/mine")
+    by_id = flags(build_command(VLLMServerSettings(model="org/some-model"), gpu=True)[0])  # a hub id: as given
+    assert by_id["--model"] == "org/some-model"
