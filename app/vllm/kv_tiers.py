@@ -14,8 +14,9 @@ from __future__ import annotations
 import json
 import logging
 from functools import lru_cache
-from pathlib import Path
 from typing import Any
+
+from app.vllm.model_files import local_file
 
 log = logging.getLogger("prefixrag.upstream")
 
@@ -63,15 +64,7 @@ def kv_bytes_per_token(config: dict[str, Any], cache_dtype: str) -> int | None:
 
 def model_config(model_root: str) -> dict[str, Any] | None:
     """The model's config.json: in the folder vLLM loads it from, or in the local Hugging Face cache."""
-    path: Path | None = Path(model_root) / "config.json" if model_root else None
-    if path is not None and not path.is_file():
-        try:
-            from huggingface_hub import try_to_load_from_cache
-
-            found = try_to_load_from_cache(model_root, "config.json")
-        except Exception:  # not a hub id either
-            found = None
-        path = Path(found) if isinstance(found, str) else None
+    path = local_file(model_root, "config.json")
     try:
         return json.loads(path.read_text(encoding="utf-8")) if path else None
     except (OSError, ValueError):

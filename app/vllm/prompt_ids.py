@@ -29,6 +29,7 @@ import orjson
 
 from app.core.errors import ServiceError
 from app.core.settings import VLLMSettings
+from app.vllm.model_files import local_folder
 
 log = logging.getLogger("prefixrag.prompt_ids")
 MARGIN_TOKENS = 16
@@ -209,11 +210,14 @@ class PromptIds:
     def _render(self, messages: list[dict[str, Any]]) -> str:
         return str(self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
 
-    async def _load(self, path: str | None) -> None:
-        if not path or not Path(path).is_dir():
+    async def _load(self, root: str | None) -> None:
+        """The tokenizer of the folder or hub id ``root`` (a hub id from the local Hugging Face cache)."""
+        folder = Path(root) if root and Path(root).is_dir() else local_folder(root or "")
+        if folder is None:
             log.warning("token-id prompts off: the served model's tokenizer is not on this machine (%s), so vLLM "
-                        "renders and tokenizes every prompt again; PREFIXRAG_VLLM__TOKENIZER names a local copy", path)
+                        "renders and tokenizes every prompt again; PREFIXRAG_VLLM__TOKENIZER names a local copy", root)
             return
+        path = str(folder)
         loop = asyncio.get_running_loop()
         try:
             self._learner_tokenizer = await loop.run_in_executor(self._learner, _load_tokenizer, path)
