@@ -37,8 +37,8 @@ class VLLMSettings(BaseModel):
         None, description="Append every answer request sent to vLLM (path, headers, JSON body; one line each) to "
         "this file, so a benchmark can replay exactly what the service sent (empty: off).")
     tokenizer: str | None = Field(
-        None, description="Local folder of the served model's tokenizer for token-id prompts (default: the "
-        "folder vLLM serves from, its /v1/models 'root', when this machine has it).")
+        None, description="Local folder (or Hugging Face id in the local cache) of the served model's tokenizer "
+        "for token-id prompts (default: what vLLM serves from, its /v1/models 'root', where this machine has it).")
 
     @field_validator("url")
     @classmethod
