@@ -100,6 +100,13 @@ curl -sf http://127.0.0.1:8080/ask -H 'content-type: application/json' \
   -d '{"question": "How does prefix caching help?", "max_tokens": 16}' | python3 -c \
   'import json, sys; a = json.load(sys.stdin); print("answer:", a["answer"][:80], "| sources:", [s["id"] for s in a["sources"]][:3], "| usage:", a["usage"]); assert a["sources"], "no sources"'
 
+for _ in $(seq 30); do  # the served model's tokenizer loads in the background once vLLM is seen
+  "${compose[@]}" logs --no-color app | grep -E "token-id prompts (on|off)" && break
+  sleep 2
+done
+"${compose[@]}" logs --no-color app | grep -q "token-id prompts on" && say "token-id prompts on: the app found the \
+served model's tokenizer" || { say "FAILED: token-id prompts off in the app"; exit 1; }
+
 say "down while an answer streams: the app drains it (stop_grace_period above the drain)"
 curl -sN http://127.0.0.1:8080/ask -H 'content-type: application/json' \
   -d '{"question": "Write at length about units.", "max_tokens": 400, "stream": true}' >docker/smoke/stream.txt &
