@@ -44,7 +44,7 @@ async def via_app(url: str, model: str, messages: list[dict], ids: list[int], re
     """The same two ways through the app's own vLLM client (what token-id prompts use), streamed."""
     from app.core.settings import VLLMSettings
     from app.vllm.client import LLMClient
-    from app.vllm.prompt_ids import TokenPrompt
+    from app.vllm.prompt_pieces import TokenPrompt
     from app.vllm.wire import Completion
 
     llm = LLMClient(VLLMSettings(url=url + "/v1"))

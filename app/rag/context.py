@@ -63,7 +63,7 @@ def canonical(chunks: list[ContextChunk]) -> list[ContextChunk]:
     return sorted(chunks, key=lambda chunk: chunk.canonical_key)
 
 
-RENDERED_UNITS = 4096  # units whose rendered text is kept: the same bytes for every request that shows them
+RENDERED_UNITS = 4096  # units and chunks whose rendered text is kept: the same bytes for every request that shows them
 
 
 class PromptBuilder:
@@ -82,10 +82,17 @@ class PromptBuilder:
         return self.inert.attribute(chunk.cite_id)
 
     def render_chunk(self, chunk: ContextChunk) -> str:
+        """A chunk of its own in the prompt, rendered once and reused (its key holds its text: a string is
+        hashed once, so the lookup costs little beside rendering it again)."""
+        key = ("chunk", chunk.id, chunk.text, chunk.cite_id, chunk.title, chunk.headings, self.inert.served)
+        if (text := self._units.get(key)) is not None:
+            self._units.move_to_end(key)
+            return text
         attribute = self.inert.attribute
-        return self.templates.render("context", "document", id=self.cite(chunk),
+        text = self.templates.render("context", "document", id=self.cite(chunk),
                                      title=attribute(chunk.title), headings=attribute(chunk.headings),
                                      text=self.inert(chunk.text))
+        return self._kept(key, text)
 
     def render_unit(self, unit: list[ContextChunk]) -> str:
         """A unit is one document in the prompt: one header, its chunks' text in natural order (headings are part
@@ -98,18 +105,25 @@ class PromptBuilder:
         attribute = self.inert.attribute
         text = self.templates.render("context", "unit", id=self.cite(unit[0]), title=attribute(unit[0].title),
                                      text=self.inert(unit_text(unit)))
+        return self._kept(key, text)
+
+    def _kept(self, key: tuple[object, ...], text: str) -> str:
         self._units[key] = text
         if len(self._units) > RENDERED_UNITS:
             self._units.popitem(last=False)
         return text
 
+    def pieces(self, ordered: list[ContextChunk]) -> list[str]:
+        """The context's units and chunks as rendered, in the order given: the same strings ``context_block``
+        joins (token-id prompts keep each one's ids)."""
+        return [piece for group in _runs_of_units(ordered)
+                for piece in ([self.render_unit(group)] if group[0].unit else map(self.render_chunk, group))]
+
     def context_block(self, ordered: list[ContextChunk]) -> str:
         """Render chunks in the order given (callers pass canonical or strategy order, never relevance)."""
         if not ordered:
             return self.templates.render("context", "empty")
-        parts = [self.render_unit(group) if group[0].unit else "".join(map(self.render_chunk, group))
-                 for group in _runs_of_units(ordered)]
-        return self.templates.render("context", "block", documents="".join(parts))
+        return self.templates.render("context", "block", documents="".join(self.pieces(ordered)))
 
     def lead(self, ordered: list[ContextChunk]) -> str:
         """The rendered units that open the context (a unit, a page's documents, the corpus): the part of the

@@ -25,7 +25,8 @@ from app.rag.planner import ContextPlanner
 from app.rag.requests import ChatQuery, Conversation, Lookup, Query, RequestRules
 from app.rag.retriever import Ranking
 from app.rag.seams import LLM, Ranker
-from app.vllm.prompt_ids import PromptIds, TokenPrompt
+from app.vllm.prompt_ids import PromptIds
+from app.vllm.prompt_pieces import TokenPrompt
 from app.vllm.wire import Completion, Delta, UpstreamInfo
 
 log = logging.getLogger("prefixrag.pipeline")
@@ -236,14 +237,17 @@ class Pipeline:
                      timings_ms=times, prompt=prompt, cited={c.id: self.builder.cite(c) for c in sources})
 
     async def _prompt_ids(self, prompt: Prompt, talk: Conversation) -> TokenPrompt | None:
-        """The prompt as token ids when one of its heads was seen before (vLLM then need not tokenize it); its
+        """The prompt as token ids when one of its heads was seen before (vLLM then need not tokenize it, and of
+        the rest only the text between the context's pieces is tokenized here once their ids are known); its
         heads end after the first turn's opening units, after the first of them and after the system prompt,
         and the longest seen is used. A context that opens with a hit of its own (scattered hits) is seldom
         sent twice: a head ending at the question would be learnt for nothing, and such prompts go as chats."""
         if self.prompt_ids is None or not self.prompt_ids.active:
             return None  # off or no tokenizer here: the leads are not rendered again for nothing
+        pieces = [piece for context in (*prompt.plan.contexts[:-1], prompt.kept)
+                  for piece in self.builder.pieces(context)]
         return await self.prompt_ids.ids(prompt.messages, self.builder.question(talk.questions[-1]),
-                                         self.builder.leads(prompt.first_context))
+                                         self.builder.leads(prompt.first_context), pieces)
 
     def _budget(self, max_model_len: int, max_tokens: int) -> int:
         if max_tokens >= max_model_len:

@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any, Protocol
 
 from app.core.seams import Embedder
-from app.vllm.prompt_ids import TokenPrompt
+from app.vllm.prompt_pieces import TokenPrompt
 from app.vllm.wire import Completion, Delta
 
 if TYPE_CHECKING:

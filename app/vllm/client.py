@@ -19,7 +19,7 @@ from yarl import URL
 
 from app.core.errors import BadRequest
 from app.core.settings import VLLMSettings
-from app.vllm.prompt_ids import TokenPrompt
+from app.vllm.prompt_pieces import TokenPrompt
 from app.vllm.wire import (
     Completion,
     Delta,

@@ -4,8 +4,9 @@ A prefix-cache hit skips prefill, but vLLM's API server still renders the chat t
 prompt on every request, work that grows with the prompt (measured: docs/design.md, token-id prompts). So where
 this machine has the served model's tokenizer, the app renders the chat template itself, keeps the token ids of
 each prompt's head (the context's opening units, which every question about them shares whatever hits follow;
-short of those, the first of them, or the system prompt, which every prompt shares), tokenizes only the rest and
-sends the ids to ``/v1/completions``. On unless ``PREFIXRAG_VLLM__TOKEN_ID_PROMPTS=false``.
+short of those, the first of them, or the system prompt, which every prompt shares), tokenizes only the rest (of
+that, only the text between the context's pieces: ``app.vllm.prompt_pieces`` keeps each piece's ids) and sends the
+ids to ``/v1/completions``. On unless ``PREFIXRAG_VLLM__TOKEN_ID_PROMPTS=false``.
 
 Exact or unused: a head is used only after its ids, computed here, equalled vLLM's own ``/tokenize`` of a whole
 prompt, in the background (a request none of whose heads is known goes as a chat, as before; pre-warm learns each
@@ -20,44 +21,23 @@ import asyncio
 import hashlib
 import logging
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-import orjson
-
 from app.core.errors import ServiceError
 from app.core.settings import VLLMSettings
 from app.vllm.model_files import local_folder
+from app.vllm.prompt_pieces import Cut, Pieces, TokenPrompt, check, encode
 
 log = logging.getLogger("prefixrag.prompt_ids")
 MARGIN_TOKENS = 16
 HEADS = 512  # heads kept (one per unit, page or conversation start; ~24 KB of JSON each at 4K tokens)
 LEARNING = 2  # heads checked against vLLM at a time (background work; more wait for a later request)
-LOOP_TAIL_CHARS = 2048  # a tail up to this long is tokenized on the event loop (~0.5 ms at most), a longer one on
-# a thread, where the tokenizer releases the interpreter's lock (a prompt whose only head known is the system's)
+LOOP_TAIL_CHARS = 2048  # a tail (its text outside known pieces) up to this long is tokenized on the event loop
+# (~0.5 ms at most), a longer one on a thread, where the tokenizer releases the interpreter's lock
 Leads = list[str] | tuple[str, ...]  # where a prompt's head may end, longest first (never a bare str)
-
-
-class TokenPrompt:
-    """A prompt as token ids, in the JSON it is sent as: its head's array serialised once, when the head was
-    learnt (thousands of ids: turning them into Python ints and JSON for every request was most of the cost of
-    sending one), joined with its tail's."""
-
-    __slots__ = ("json",)
-
-    def __init__(self, head_json: bytes, tail_ids: list[int]) -> None:
-        """``head_json``: the head's ids as ``open_array`` makes them (never empty)."""
-        self.json = head_json + (b"," + orjson.dumps(tail_ids)[1:] if tail_ids else b"]")
-
-    @staticmethod
-    def open_array(head_ids: list[int]) -> bytes:
-        """A head's ids as a JSON array without its closing bracket (``b"[1,2"``), for tails to join."""
-        return orjson.dumps(head_ids)[:-1]
-
-    def ids(self) -> list[int]:
-        return list(orjson.loads(self.json))
 
 
 class PromptIds:
@@ -79,6 +59,7 @@ class PromptIds:
         self._learning: set[bytes] = set()
         self._declined: OrderedDict[bytes, None] = OrderedDict()  # heads whose cut would not re-tokenize alike
         self._tasks: set[asyncio.Task[None]] = set()
+        self.pieces = Pieces()  # the ids of the context's pieces, for tails
         self._loading: asyncio.Task[None] | None = None  # the served tokenizer's load, after vLLM (re)appeared
 
     @property
@@ -90,16 +71,19 @@ class PromptIds:
         self.tokenizer = self._learner_tokenizer = self._tails_tokenizer = None
         self.heads.clear()
         self._declined.clear()
+        self.pieces.clear()
         if self.settings.token_id_prompts:
             self._loading = self._spawn(self._load(self.settings.tokenizer or info.root))
 
     async def ids(self, messages: list[dict[str, Any]], question: str,
-                  leads: Leads = ()) -> TokenPrompt | None:
+                  leads: Leads = (), pieces: Sequence[str] = ()) -> TokenPrompt | None:
         """The prompt's token ids, exactly as vLLM would make them; None: send it as a chat (no tokenizer here,
         no head's end found in the rendering, or none of its heads learnt yet). The head ends after the first
         of ``leads`` (longest first: the context's opening units, shared by every question about them whatever
         follows; then shorter ones, e.g. the first of those units) that was learnt, or, where no lead is found,
-        where ``question`` (the rendered last question) starts. The longest is learnt meanwhile if it was not."""
+        where ``question`` (the rendered last question) starts. The longest is learnt meanwhile if it was not.
+        ``pieces``: the context's units and chunks as rendered, in prompt order (those the tail shows are not
+        tokenized again once their ids are known)."""
         if self.tokenizer is None:
             return None
         try:
@@ -107,18 +91,40 @@ class PromptIds:
             if longest is not None and self._unlearnt(key := longest[0]) and len(self._learning) < LEARNING:
                 self._learning.add(key)
                 self._spawn(self._learn(messages, *longest))
-            return None if known is None else await self._with_tail(*known)
+            return None if known is None else await self._with_tail(*known, pieces)
         except Exception as exc:  # an optimisation never fails a request (e.g. the tokenizer dropped meanwhile)
             log.warning("prompt sent as a chat: its token ids failed (%s)", exc)
             return None
 
-    async def _with_tail(self, head_json: bytes, tail: str) -> TokenPrompt:
-        if len(tail) <= LOOP_TAIL_CHARS:
-            tail_ids = _encode(self.tokenizer, tail)
+    async def _with_tail(self, head_json: bytes, tail: str, pieces: Sequence[str]) -> TokenPrompt:
+        cut = self.pieces.cut(tail, pieces) if self.pieces.on and pieces else Cut(tail)
+        texts = cut.texts()
+        if sum(map(len, texts)) <= LOOP_TAIL_CHARS:
+            text_ids = encode(self.tokenizer, texts)
         else:
             loop = asyncio.get_running_loop()
-            tail_ids = await loop.run_in_executor(self._tails, _encode, self._tails_tokenizer, tail)
-        return TokenPrompt(head_json, tail_ids)
+            text_ids = await loop.run_in_executor(self._tails, encode, self._tails_tokenizer, texts)
+        if cut.spans and self.pieces.due(cut):
+            self.pieces.checking = True
+            self._spawn(self._check_pieces(cut))
+        return TokenPrompt(head_json, cut.fragments(text_ids))
+
+    async def _check_pieces(self, cut: Cut) -> None:
+        """Learn the new pieces ``cut`` shows, or check its composition again (``prompt_pieces.check``)."""
+        generation = self.pieces.generation
+        try:
+            loop = asyncio.get_running_loop()
+            learnt = await loop.run_in_executor(self._learner, check, self._learner_tokenizer, cut)
+            if learnt is None:
+                log.warning("a tail composed from its pieces' ids differs from the tail tokenized whole: pieces off, "
+                            "tails tokenized whole")
+                self.pieces.turn_off()
+            else:
+                self.pieces.keep(learnt, generation)
+        except Exception as exc:  # the tokenizer dropped meanwhile (vLLM changed), or failed on this text
+            log.info("a prompt's pieces were not learnt: %s", exc)
+        finally:
+            self.pieces.checking = False
 
     async def learn(self, messages: list[dict[str, Any]], lead: str) -> None:
         """Learn the head of a prompt sent ahead of the questions that will open with ``lead`` (pre-warm's units),
@@ -203,7 +209,7 @@ class PromptIds:
         if first_tail_token <= 0:
             return None
         tail_start = offsets[first_tail_token][0]
-        if ids[first_tail_token:] != _encode(tokenizer, text[tail_start:]):
+        if ids[first_tail_token:] != encode(tokenizer, [text[tail_start:]])[0]:
             return None
         return ids, first_tail_token, tail_start
 
@@ -247,11 +253,6 @@ def _remember(table: OrderedDict[bytes, Any], key: bytes, value: Any) -> None:
     table[key] = value
     while len(table) > HEADS:
         table.popitem(last=False)
-
-
-def _encode(tokenizer: Any, text: str) -> list[int]:
-    """A tail's ids (a head's tail is checked through this very call before the head is used)."""
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 def _load_tokenizer(path: str) -> Any:

@@ -16,7 +16,7 @@ from types import SimpleNamespace
 from app.core.errors import ContextTooLong
 from app.core.settings import VLLMSettings
 from app.vllm.client import LLMClient
-from app.vllm.prompt_ids import TokenPrompt
+from app.vllm.prompt_pieces import TokenPrompt
 from app.vllm.testmodel import CHAT_TEMPLATE
 from app.vllm.wire import Completion, Delta
 

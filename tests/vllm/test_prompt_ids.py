@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
+import threading
 import time
 
 import httpx
@@ -14,7 +15,9 @@ from app.core.settings import Settings, VLLMSettings
 from app.rag.context import PromptBuilder
 from app.runtime.services import build_services
 from app.serve.app import create_app
+from app.vllm import prompt_ids
 from app.vllm.prompt_ids import LOOP_TAIL_CHARS
+from app.vllm.prompt_pieces import encode
 from tests.support.corpora import app_settings
 from tests.support.servers import AppServer
 
@@ -95,6 +98,70 @@ def test_a_context_opening_with_a_hit_of_its_own_goes_as_ids_after_the_system_pr
             ids = await client.prompt_ids.ids(messages, builder.question(question), (system,))
             assert ids is not None and ids.ids() == await client.llm.tokenize(messages)
         assert len(client.prompt_ids.heads) == 1
+        await client.close()
+
+    asyncio.run(run())
+
+
+def test_a_tails_pieces_are_tokenized_once_and_their_ids_compose_exactly_what_vllm_makes(vllm_url, embedder,
+                                                                                          monkeypatch):
+    """Contexts opening with hits of their own (the head is the system prompt): the first prompt showing a piece
+    tokenizes its tail whole and learns the piece meanwhile; later prompts showing it in other orders and beside
+    other hits tokenize only the text around it, and still go as exactly vLLM's ids."""
+    tokenized: list[int] = []  # characters each request tokenized on its path (the learner's calls are not)
+
+    def spied(tokenizer, texts):
+        if threading.current_thread().name.startswith("prompt-ids-learn"):
+            return encode(tokenizer, texts)
+        tokenized.append(sum(map(len, texts)))
+        return encode(tokenizer, texts)
+
+    async def run():
+        client = await Client.open(vllm_url, embedder)
+        await client.upstream.refresh()
+        await until(lambda: client.prompt_ids.active)
+        builder, system = client.builder, client.builder.system_prompt
+        await client.prompt_ids.learn(builder.warmup_messages(), system)
+        units = [f'<document id="fact-{i}">\n' + f"Fact {i} about the harbour: the quay held {i} boats. " * 8
+                 + "\n</document>\n" for i in range(4)]
+        orders = ([0, 1], [1, 2, 0], [3, 0], [2, 1, 3], [0, 1])
+        for number, order in enumerate(orders):
+            shown, question = [units[i] for i in order], f"Question {number}?"
+            messages = [{"role": "system", "content": system},
+                        {"role": "user", "content": f"<documents>\n{''.join(shown)}</documents>\n"
+                                                    + builder.question(question)}]
+            ids = await client.prompt_ids.ids(messages, builder.question(question), (system,), shown)
+            assert ids is not None and ids.ids() == await client.llm.tokenize(messages), number
+            await until(lambda: not client.prompt_ids.pieces.checking)
+        assert len(client.prompt_ids.pieces.known) == 4 and client.prompt_ids.pieces.on
+        assert tokenized[0] > sum(map(len, units[:2])) and max(tokenized[-2:]) < 400  # the last two: no piece
+        # tokenized again
+        await client.close()
+
+    monkeypatch.setattr(prompt_ids, "encode", spied)
+    asyncio.run(run())
+
+
+def test_pieces_whose_ids_would_not_compose_exactly_are_never_used(vllm_url, embedder):
+    """A piece cut inside a word (the template never does that; a tokenizer that merged across a piece's edge
+    would): its composition differs from the tail tokenized whole, so pieces go off and tails are tokenized
+    whole, exactly as vLLM does."""
+    async def run():
+        client = await Client.open(vllm_url, embedder)
+        await client.upstream.refresh()
+        await until(lambda: client.prompt_ids.active)
+        builder, system = client.builder, client.builder.system_prompt
+        await client.prompt_ids.learn(builder.warmup_messages(), system)
+        word = "harbourquay" * 40
+        for number in range(3):
+            question = f"Question {number}?"
+            messages = [{"role": "system", "content": system},
+                        {"role": "user", "content": f"<documents>\nIntro {word}side.\n</documents>\n"
+                                                    + builder.question(question)}]
+            ids = await client.prompt_ids.ids(messages, builder.question(question), (system,), [word])
+            assert ids is not None and ids.ids() == await client.llm.tokenize(messages), number
+            await until(lambda: not client.prompt_ids.pieces.checking)
+            assert not client.prompt_ids.pieces.on and not client.prompt_ids.pieces.known
         await client.close()
 
     asyncio.run(run())
