@@ -128,7 +128,8 @@ class PromptIds:
 
     async def learn(self, messages: list[dict[str, Any]], lead: str) -> None:
         """Learn the head of a prompt sent ahead of the questions that will open with ``lead`` (pre-warm's units),
-        so that the first of them already goes as token ids; checked against vLLM as any head is."""
+        so that the first of them already goes as token ids; checked against vLLM as any head is. ``lead``'s ids
+        as a piece too, for the questions that show it after other units."""
         if self._loading is not None and not self._loading.done():  # pre-warm starts as vLLM appears
             await asyncio.shield(self._loading)
         if self.tokenizer is None or not lead:
@@ -138,10 +139,14 @@ class PromptIds:
         except Exception as exc:  # the tokenizer dropped meanwhile, or failed on this text: users learn it
             log.info("a pre-warmed prompt head was not learnt: %s", exc)
             return
-        if head is None or not self._unlearnt(key := head[0]):
+        if head is None:
             return
-        self._learning.add(key)
-        await self._learn(messages, *head)
+        if self._unlearnt(key := head[0]):
+            self._learning.add(key)
+            await self._learn(messages, *head)
+        if (cut := self.pieces.cut(head[1], (lead,))).learns and self.pieces.due(cut):
+            self.pieces.checking = True
+            await self._check_pieces(cut)
 
     def _unlearnt(self, key: bytes) -> bool:
         """Neither known, nor being learnt, nor declined (its cut would not re-tokenize alike)."""
