@@ -96,8 +96,8 @@ class PromptIds:
             log.warning("prompt sent as a chat: its token ids failed (%s)", exc)
             return None
 
-    async def _with_tail(self, head_json: bytes, tail: str, pieces: Sequence[str]) -> TokenPrompt:
-        cut = self.pieces.cut(tail, pieces) if self.pieces.on and pieces else Cut(tail)
+    async def _with_tail(self, head_json: bytes, text: str, tail_start: int, pieces: Sequence[str]) -> TokenPrompt:
+        cut = self.pieces.cut(text, tail_start, pieces) if self.pieces.on and pieces else Cut(text[tail_start:])
         texts = cut.texts()
         if sum(map(len, texts)) <= LOOP_TAIL_CHARS:
             text_ids = encode(self.tokenizer, texts)
@@ -144,7 +144,7 @@ class PromptIds:
         if self._unlearnt(key := head[0]):
             self._learning.add(key)
             await self._learn(messages, *head)
-        if (cut := self.pieces.cut(head[1], (lead,))).learns and self.pieces.due(cut):
+        if (cut := self.pieces.cut(head[1], 0, (lead,))).learns and self.pieces.due(cut):
             self.pieces.checking = True
             await self._check_pieces(cut)
 
@@ -165,9 +165,9 @@ class PromptIds:
         return task
 
     def _known_head(self, messages: list[dict[str, Any]], question: str, leads: Leads
-                    ) -> tuple[tuple[bytes, str] | None, tuple[bytes, str, int] | None]:
-        """((the longest head learnt's ids as JSON, the rest of the prompt's text) or None, (the longest head's key,
-        the rendered prompt, where that head ends) or None if no head's end was found)."""
+                    ) -> tuple[tuple[bytes, str, int] | None, tuple[bytes, str, int] | None]:
+        """((the longest head learnt's ids as JSON, the rendered prompt, where its tail starts) or None, (the
+        longest head's key, the rendered prompt, where that head ends) or None if no head's end was found)."""
         text = self._render(messages)
         longest = None
         for cut in _cuts(text, question, leads):
@@ -176,7 +176,7 @@ class PromptIds:
             if (head := self.heads.get(key)) is not None:
                 self.heads.move_to_end(key)
                 head_json, tail_start = head
-                return (head_json, text[tail_start:]), longest
+                return (head_json, text, tail_start), longest
         return None, longest
 
     async def _learn(self, messages: list[dict[str, Any]], key: bytes, text: str, cut: int) -> None:

@@ -107,17 +107,21 @@ class Pieces:
         self.known.clear()
         self.size, self.on, self.generation = 0, True, self.generation + 1
 
-    def cut(self, tail: str, pieces: Sequence[str]) -> Cut:
-        """The pieces (in prompt order) found in ``tail``; those seen in a head are not in it and are skipped."""
-        cut, at = Cut(tail), 0
+    def cut(self, text: str, tail_start: int, pieces: Sequence[str]) -> Cut:
+        """The tail ``text[tail_start:]`` and the pieces (in prompt order) found in it. Each is looked for from
+        where the one before ended, so the whole search reads the prompt about once, however many pieces it
+        shows; those in the head, before the tail, are passed over."""
+        cut, at = Cut(text[tail_start:]), 0
         for piece in pieces:
-            if len(piece) < PIECE_CHARS or (start := tail.find(piece, at)) < 0:
+            if len(piece) < PIECE_CHARS or (start := text.find(piece, at)) < 0:
+                continue
+            at = start + len(piece)
+            if start < tail_start:
                 continue
             key = hashlib.blake2b(piece.encode(), digest_size=16).digest()
             if (known := self.known.get(key)) is not None:
                 self.known.move_to_end(key)
-            at = start + len(piece)
-            cut.spans.append((start, at, key, known))
+            cut.spans.append((start - tail_start, at - tail_start, key, known))
         return cut
 
     def due(self, cut: Cut) -> bool:

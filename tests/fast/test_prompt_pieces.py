@@ -44,7 +44,7 @@ def contexts(count: int) -> list[list[ContextChunk]]:
 
 def composed(pieces: Pieces, tokenizer, tail: str, shown: list[str]) -> tuple[list[int], int]:
     """The tail's ids as a request makes them, and how many characters it tokenized."""
-    cut = pieces.cut(tail, shown)
+    cut = pieces.cut(tail, 0, shown)
     texts = cut.texts()
     fragments = cut.fragments(encode(tokenizer, texts))
     return orjson.loads(b"[" + b",".join(filter(None, fragments)) + b"]"), sum(map(len, texts))
@@ -62,7 +62,7 @@ def test_a_tail_composed_from_its_pieces_ids_is_exactly_the_tail_tokenized_whole
         assert ids == encode(tokenizer, [tail])[0], number
         if number >= 30:  # the pieces of earlier prompts are known: only the rest is tokenized per request
             tokenized, lengths = tokenized + chars, lengths + len(tail)
-        cut = pieces.cut(tail, shown)
+        cut = pieces.cut(tail, 0, shown)
         if cut.learns:
             learnt = check(tokenizer, cut)
             assert learnt is not None
@@ -75,7 +75,7 @@ def test_a_piece_whose_edge_the_tokenizer_merges_across_is_caught_and_not_kept(t
     piece = "harbourquay" * 40  # one long word: the text around the cut merges with it
     tail = "Intro " + piece + "side and more words after it."
     pieces = Pieces()
-    cut = pieces.cut(tail, [piece])
+    cut = pieces.cut(tail, 0, [piece])
     assert cut.learns and check(tokenizer, cut) is None
     assert not pieces.known
 
@@ -89,4 +89,13 @@ def test_pieces_cleared_while_a_check_ran_keep_nothing_and_kept_ids_stay_within_
     pieces.keep([(b"k" * 16, b"1,2,3")], pieces.generation)
     assert pieces.known == {b"k" * 16: b"1,2,3"} and pieces.size == 5
     pieces.turn_off()
-    assert not pieces.on and not pieces.known and not pieces.due(pieces.cut("x" * 300, ["x" * 300]))
+    assert not pieces.on and not pieces.known and not pieces.due(pieces.cut("x" * 300, 0, ["x" * 300]))
+
+
+def test_pieces_before_the_tail_or_across_its_start_are_passed_over_and_spans_count_from_the_tail():
+    first, second, third = ("<doc>" + letter * PIECE_CHARS + "</doc>\n" for letter in "abc")
+    text = "system\n" + first + second + third + "Question?"
+    tail_start = text.index(second) + 10  # the head's cut falls inside the second piece
+    cut = Pieces().cut(text, tail_start, [first, second, third])
+    assert cut.tail == text[tail_start:]
+    assert [cut.tail[start:end] for start, end, *_ in cut.spans] == [third]
