@@ -39,6 +39,9 @@ class ServiceMetrics:
         self.prompts_sent = Counter("prefixrag_prompts_total", "Prompts sent to vLLM, by form: token_ids (the head "
                                     "tokenized here, app.vllm.prompt_ids) or chat (vLLM tokenizes all of it).",
                                     ["form"], registry=r)
+        self.prompt_pieces = Counter("prefixrag_prompt_pieces_total", "Context pieces (units, chunks) in the tails "
+                                     "of token-id prompts: reused (their ids kept, app.vllm.prompt_pieces) or "
+                                     "tokenized (not known yet, or pieces off).", ["state"], registry=r)
         self.collection_reloads = Counter("prefixrag_collection_reloads_total",
                                           "Times an ingest changed the collection and the service reloaded it.",
                                           registry=r)

@@ -212,6 +212,9 @@ class Pipeline:
         completion, first_token = Completion(), None
         ids = await self._prompt_ids(prompt, talk)
         self.metrics.prompts_sent.labels("token_ids" if ids is not None else "chat").inc()
+        if ids is not None:
+            self.metrics.prompt_pieces.labels("reused").inc(ids.reused)
+            self.metrics.prompt_pieces.labels("tokenized").inc(ids.tokenized)
         clock.mark("send")
         async for delta in self.llm.stream_chat(request, completion, ids):
             first_token = first_token or time.perf_counter()

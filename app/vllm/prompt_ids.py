@@ -107,7 +107,8 @@ class PromptIds:
         if cut.spans and self.pieces.due(cut):
             self.pieces.checking = True
             self._spawn(self._check_pieces(cut))
-        return TokenPrompt(head_json, cut.fragments(text_ids))
+        reused = cut.reused
+        return TokenPrompt(head_json, cut.fragments(text_ids), reused, len(cut.spans) - reused)
 
     async def _check_pieces(self, cut: Cut) -> None:
         """Learn the new pieces ``cut`` shows, or check its composition again (``prompt_pieces.check``)."""

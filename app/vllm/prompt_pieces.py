@@ -44,12 +44,14 @@ class TokenPrompt:
     learnt (thousands of ids: turning them into Python ints and JSON for every request was most of the cost of
     sending one), joined with its tail's fragments."""
 
-    __slots__ = ("json",)
+    __slots__ = ("json", "reused", "tokenized")
 
-    def __init__(self, head_json: bytes, tail: list[bytes]) -> None:
+    def __init__(self, head_json: bytes, tail: list[bytes], reused: int = 0, tokenized: int = 0) -> None:
         """``head_json``: the head's ids as ``open_array`` makes them (never empty); ``tail``: the rest's ids as
-        fragments (``prompt_pieces.fragment``; empty ones are skipped)."""
+        fragments (``prompt_pieces.fragment``; empty ones are skipped); the tail's pieces whose ids were
+        ``reused`` and those ``tokenized`` with the rest."""
         self.json = b",".join([head_json, *filter(None, tail)]) + b"]"
+        self.reused, self.tokenized = reused, tokenized
 
     @staticmethod
     def open_array(head_ids: list[int]) -> bytes:
@@ -70,6 +72,10 @@ class Cut:
     @property
     def composed(self) -> bool:
         return any(known is not None for *_, known in self.spans)
+
+    @property
+    def reused(self) -> int:
+        return sum(known is not None for *_, known in self.spans)
 
     @property
     def learns(self) -> bool:

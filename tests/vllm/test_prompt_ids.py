@@ -303,3 +303,29 @@ def test_after_pre_warm_questions_whose_contexts_open_with_their_own_hits_go_as_
         metrics = httpx.get(server.url + "/metrics").text
     assert len(cited) > 1  # the contexts differ: no head up to the question could have been shared
     assert sent_forms(metrics) == {"token_ids": float(len(questions))}
+
+
+def test_pre_warmed_units_after_other_units_go_as_their_kept_ids(vllm_url, embedder, tmp_path):
+    """Each note its own unit, pre-warmed (their pieces learnt as they are sent); questions whose contexts show
+    several of them reuse the units' ids after the first, and ``/metrics`` counts the pieces reused."""
+    from ingest.pipeline import run_ingest
+    from tests.support.corpora import write_notes
+
+    docs, chroma = tmp_path / "docs", tmp_path / "chroma"
+    notes = write_notes(docs)
+    settings = app_settings(chroma, vllm_url, collection="pieces", strategy="document", top_k=4, hotness_dir=None)
+    settings.pages.tokens = 0
+    settings.vllm.token_id_prompts = True
+    run_ingest([docs], settings, embedder)
+    questions = [" ".join(text.split()[:12]) + "?" for text in list(notes.values())[:6]]
+    with AppServer(create_app(settings, embedder=embedder)) as server:
+        server.wait_ready()
+        warmed(server.url)
+        for question in questions:
+            response = httpx.post(server.url + "/ask", json={"question": question, "max_tokens": 4}, timeout=60)
+            assert response.status_code == 200, response.text
+        metrics = httpx.get(server.url + "/metrics").text
+    pieces = {state: float(line.split()[-1]) for state in ("reused", "tokenized") for line in metrics.splitlines()
+              if line.startswith(f'prefixrag_prompt_pieces_total{{state="{state}"}}')}
+    assert sent_forms(metrics) == {"token_ids": float(len(questions))}
+    assert pieces.get("reused", 0) >= len(questions), pieces  # every question shows units after its first
