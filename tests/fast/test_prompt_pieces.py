@@ -7,26 +7,14 @@ from __future__ import annotations
 import random
 
 import orjson
-import pytest
-from transformers import AutoTokenizer
 
 from app.rag.context import ContextChunk, PromptBuilder
 from app.rag.prompts import PromptTemplates
 from app.vllm.prompt_pieces import PIECE_CHARS, Pieces, check, encode
-from app.vllm.smollm2 import packaged_gguf
-from app.vllm.testmodel import write_test_model
 from tests.support.corpora import paragraphs
 from tests.support.env import ROOT
 
 ODD = "ünïcode — [SEP] <s> 1,234.5 %\n\n<|im_start|> tabs\tand  double  spaces "
-
-
-@pytest.fixture(scope="module", params=["test-model", "smollm2"])
-def tokenizer(request, tmp_path_factory):
-    if request.param == "test-model":
-        return AutoTokenizer.from_pretrained(write_test_model(tmp_path_factory.mktemp("model") / "tiny"))
-    gguf = packaged_gguf()
-    return AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
 
 
 def contexts(count: int) -> list[list[ContextChunk]]:

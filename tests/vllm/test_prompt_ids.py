@@ -51,6 +51,21 @@ class Client:
         self.prompt_ids = self.services.clients.prompt_ids
         return self
 
+    @classmethod
+    async def with_system_head(cls, vllm_url: str, embedder) -> Client:
+        """A client whose served tokenizer is loaded and whose system prompt's head is learnt (as pre-warm does)."""
+        client = await cls.open(vllm_url, embedder)
+        await client.upstream.refresh()
+        await until(lambda: client.prompt_ids.active)
+        await client.prompt_ids.learn(client.builder.warmup_messages(), client.builder.system_prompt)
+        return client
+
+    def scattered(self, documents: str, question: str) -> list[dict]:
+        """A prompt whose context opens with hits of its own: its only head is the system prompt."""
+        context = f"<documents>\n{documents}</documents>\n"
+        return [{"role": "system", "content": self.builder.system_prompt},
+                {"role": "user", "content": context + self.builder.question(question)}]
+
     def messages(self, question: str, extra: str = "") -> list[dict]:
         context = f"<documents>\n{LEAD}{extra}</documents>\n"
         return [{"role": "system", "content": self.builder.system_prompt},
@@ -83,18 +98,14 @@ def test_a_context_opening_with_a_hit_of_its_own_goes_as_ids_after_the_system_pr
     """Scattered hits, a conversation's later turns: no unit opens the context, so the head is the system prompt,
     learnt once (pre-warm sends it first), and every such prompt goes as exactly vLLM's ids."""
     async def run():
-        client = await Client.open(vllm_url, embedder)
-        await client.upstream.refresh()
-        await until(lambda: client.prompt_ids.active)
+        client = await Client.with_system_head(vllm_url, embedder)  # as pre-warm does with its prefix
         builder, system = client.builder, client.builder.system_prompt
-        await client.prompt_ids.learn(builder.warmup_messages(), system)  # as pre-warm does with its prefix
         assert len(client.prompt_ids.heads) == 1
         long_tail = ("Which quay is longest?", LEAD.replace("Harbour", "Quay"))  # tokenized off the event loop
         assert len(long_tail[1]) > LOOP_TAIL_CHARS
         for question, extra in (*QUESTIONS, long_tail):  # other hits, other questions: nothing shared after the
             # system prompt
-            messages = [{"role": "system", "content": system},
-                        {"role": "user", "content": f"<documents>\n{extra}</documents>\n" + builder.question(question)}]
+            messages = client.scattered(extra, question)
             ids = await client.prompt_ids.ids(messages, builder.question(question), (system,))
             assert ids is not None and ids.ids() == await client.llm.tokenize(messages)
         assert len(client.prompt_ids.heads) == 1
@@ -118,11 +129,8 @@ def test_a_tails_pieces_are_tokenized_once_and_their_ids_compose_exactly_what_vl
         return encode(tokenizer, texts)
 
     async def run():
-        client = await Client.open(vllm_url, embedder)
-        await client.upstream.refresh()
-        await until(lambda: client.prompt_ids.active)
+        client = await Client.with_system_head(vllm_url, embedder)
         builder, system = client.builder, client.builder.system_prompt
-        await client.prompt_ids.learn(builder.warmup_messages(), system)
         units = [f'<document id="fact-{i}">\n' + f"Fact {i} about the harbour: the quay held {i} boats. " * 8
                  + "\n</document>\n" for i in range(4)]
         warm = [{"role": "system", "content": system},
@@ -134,9 +142,7 @@ def test_a_tails_pieces_are_tokenized_once_and_their_ids_compose_exactly_what_vl
         orders = ([0, 1], [1, 2, 0], [3, 0], [2, 1, 3], [0, 1])
         for number, order in enumerate(orders):
             shown, question = [units[i] for i in order], f"Question {number}?"
-            messages = [{"role": "system", "content": system},
-                        {"role": "user", "content": f"<documents>\n{''.join(shown)}</documents>\n"
-                                                    + builder.question(question)}]
+            messages = client.scattered("".join(shown), question)
             ids = await client.prompt_ids.ids(messages, builder.question(question), (system,), shown)
             assert ids is not None and ids.ids() == await client.llm.tokenize(messages), number
             await until(lambda: not client.prompt_ids.pieces.checking)
@@ -154,18 +160,13 @@ def test_pieces_whose_ids_would_not_compose_exactly_are_never_used(vllm_url, emb
     would): its composition differs from the tail tokenized whole, so pieces go off and tails are tokenized
     whole, exactly as vLLM does."""
     async def run():
-        client = await Client.open(vllm_url, embedder)
-        await client.upstream.refresh()
-        await until(lambda: client.prompt_ids.active)
-        builder, system = client.builder, client.builder.system_prompt
-        await client.prompt_ids.learn(builder.warmup_messages(), system)
+        client = await Client.with_system_head(vllm_url, embedder)
         word = "harbourquay" * 40
         for number in range(3):
             question = f"Question {number}?"
-            messages = [{"role": "system", "content": system},
-                        {"role": "user", "content": f"<documents>\nIntro {word}side.\n</documents>\n"
-                                                    + builder.question(question)}]
-            ids = await client.prompt_ids.ids(messages, builder.question(question), (system,), [word])
+            messages = client.scattered(f"Intro {word}side.\n", question)
+            ids = await client.prompt_ids.ids(messages, client.builder.question(question),
+                                              (client.builder.system_prompt,), [word])
             assert ids is not None and ids.ids() == await client.llm.tokenize(messages), number
             await until(lambda: not client.prompt_ids.pieces.checking)
             assert not client.prompt_ids.pieces.on and not client.prompt_ids.pieces.known
