@@ -104,8 +104,7 @@ class PromptIds:
         else:
             loop = asyncio.get_running_loop()
             text_ids = await loop.run_in_executor(self._tails, encode, self._tails_tokenizer, texts)
-        if cut.spans and self.pieces.due(cut):
-            self.pieces.checking = True
+        if cut.spans and self.pieces.claim_check(cut):
             self._spawn(self._check_pieces(cut))
         reused = cut.reused
         return TokenPrompt(head_json, cut.fragments(text_ids), reused, len(cut.spans) - reused)
@@ -145,8 +144,7 @@ class PromptIds:
         if self._unlearnt(key := head[0]):
             self._learning.add(key)
             await self._learn(messages, *head)
-        if (cut := self.pieces.cut(head[1], 0, (lead,))).learns and self.pieces.due(cut):
-            self.pieces.checking = True
+        if (cut := self.pieces.cut(head[1], 0, (lead,))).learns and self.pieces.claim_check(cut):
             await self._check_pieces(cut)
 
     def _unlearnt(self, key: bytes) -> bool:

@@ -70,10 +70,6 @@ class Cut:
     spans: list[tuple[int, int, bytes, bytes | None]] = field(default_factory=list)
 
     @property
-    def composed(self) -> bool:
-        return any(known is not None for *_, known in self.spans)
-
-    @property
     def reused(self) -> int:
         return sum(known is not None for *_, known in self.spans)
 
@@ -130,16 +126,16 @@ class Pieces:
             cut.spans.append((start - tail_start, at - tail_start, key, known))
         return cut
 
-    def due(self, cut: Cut) -> bool:
-        """Whether this request's cut is checked in the background: it shows new pieces, or it is composed and
-        its turn to be checked again has come; never while another check runs."""
+    def claim_check(self, cut: Cut) -> bool:
+        """Whether this request's cut is checked in the background (the caller then runs the check and clears
+        ``checking``): it shows new pieces, or it is composed and its turn to be checked again has come; never
+        while another check runs."""
         if not self.on or self.checking:
             return False
-        if cut.composed:
+        if cut.reused:
             self._composed += 1
-            if self._composed % CHECK_EVERY == 1:
-                return True
-        return cut.learns
+        self.checking = cut.learns or (cut.reused > 0 and self._composed % CHECK_EVERY == 1)
+        return self.checking
 
     def keep(self, learnt: list[tuple[bytes, bytes]], generation: int) -> None:
         if generation != self.generation or not self.on:

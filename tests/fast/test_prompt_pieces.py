@@ -77,7 +77,7 @@ def test_pieces_cleared_while_a_check_ran_keep_nothing_and_kept_ids_stay_within_
     pieces.keep([(b"k" * 16, b"1,2,3")], pieces.generation)
     assert pieces.known == {b"k" * 16: b"1,2,3"} and pieces.size == 5
     pieces.turn_off()
-    assert not pieces.on and not pieces.known and not pieces.due(pieces.cut("x" * 300, 0, ["x" * 300]))
+    assert not pieces.on and not pieces.known and not pieces.claim_check(pieces.cut("x" * 300, 0, ["x" * 300]))
 
 
 def test_pieces_before_the_tail_or_across_its_start_are_passed_over_and_spans_count_from_the_tail():
