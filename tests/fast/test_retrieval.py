@@ -150,6 +150,35 @@ def test_the_question_encoder_in_bfloat16_ranks_as_float32_does(embedder):
     assert exact.embed(questions) == _close_to(embedder.embed(questions), 1e-6)
 
 
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+@pytest.mark.skipif(not _cuda(), reason="needs a CUDA GPU (there: pytest tests/fast -k without_waiting)")
+def test_on_a_gpu_questions_are_encoded_without_waiting_for_the_device_before_the_result(embedder):
+    """Beside vLLM each synchronisation waits for this process's turn on the GPU: a batch of questions of
+    different lengths (padding) goes in and through the model without one; the model's own pass, with its inputs
+    copied the usual way and its 2D mask (which transformers reads back), would wait; the vectors are float32's."""
+    import torch
+
+    from app.core.embedder import Embedder, question_vectors
+    from app.core.settings_corpus import EmbeddingSettings
+
+    model = Embedder(EmbeddingSettings(query_runtime="torch", device="cuda"), questions=True).model
+    questions = ["x", "Which port does the service listen on, and how is it changed in the settings file?", "ok"]
+    question_vectors(model, questions)  # the first pass allocates
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        vectors = question_vectors(model, questions)
+        with pytest.raises(RuntimeError, match="synchroniz"):
+            model({name: value.to("cuda") for name, value in model.preprocess(questions).items()})
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert vectors.tolist() == _close_to(embedder.embed(questions), 1e-5)
+
+
 def test_the_question_encoder_runs_on_onnx_runtime_on_the_cpu_with_the_vectors_documents_get(caplog, embedder):
     """The export traces a padded batch: questions of different lengths together (padding masked out) and
     alone give float32's vectors; the torch model it was traced from stays in eval mode (no dropout). 'auto'
