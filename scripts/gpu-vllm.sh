@@ -19,7 +19,9 @@ if ! up; then
   echo "[gpu-vllm] starting vLLM ($MODEL $VLLM_EXTRA) $(date +%T)"
   setsid nohup python3 -m app.vllm.launcher --model "$MODEL" --load-format dummy --block-size "$BLOCK" \
     --max-model-len "$MAX_MODEL_LEN" --dev-mode --port "$PORT" -- $VLLM_EXTRA > /var/tmp/vllm.log 2>&1 &
-  for _ in $(seq 400); do up && break; sleep 1; done
+  server=$!  # the launcher execs vLLM's entry point: this process is the server while it starts
+  # Stop waiting once it is gone (a bad flag, a window the model folder does not allow): device time is counted.
+  for _ in $(seq 400); do up && break; kill -0 "$server" 2>/dev/null || break; sleep 1; done
   up || { tail -60 /var/tmp/vllm.log; exit 1; }
   echo "[gpu-vllm] vLLM up $(date +%T)"
   head -3 /var/tmp/vllm.log  # the command the launcher ran
