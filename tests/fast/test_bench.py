@@ -18,6 +18,26 @@ def test_ceiling_counts_only_leading_blocks_seen_before():
     assert primed.add(list(range(10))) == 8 and primed.query_tokens == 10
 
 
+def test_a_copy_packed_from_a_commit_records_that_commit_and_the_tree_its_own(tmp_path):
+    """``scripts/gpu-ab.sh pack`` copies a commit's code (not its results) beside the tree for A/B runs on a device;
+    a benchmark run from the copy records the copy's commit, not the one of the .git above it."""
+    import subprocess
+
+    from bench.common import code_commit
+
+    base = tmp_path / "base"
+    done = subprocess.run(["bash", "scripts/gpu-ab.sh", "pack", "HEAD~1"], cwd=ROOT, capture_output=True, text=True,
+                          env={"PATH": "/usr/bin:/bin", "BASE_DIR": str(base)}, timeout=120)
+    assert done.returncode == 0, done.stderr
+    parent = subprocess.run(["git", "rev-parse", "--short=7", "HEAD~1"], cwd=ROOT, capture_output=True,
+                            text=True).stdout.strip()
+    assert code_commit(base) == parent != code_commit(ROOT).removesuffix("-dirty")
+    assert (base / "app" / "__main__.py").is_file() and (base / "ingest").is_dir()
+    assert not (base / "bench" / "results").exists()
+    usage = subprocess.run(["bash", "scripts/gpu-ab.sh"], cwd=ROOT, capture_output=True, text=True)
+    assert usage.returncode == 2 and "pack COMMIT" in usage.stdout
+
+
 def test_every_committed_result_has_a_report_with_its_command():
     """The README sends readers to ``python -m bench.report FILE.json`` for any result file."""
     from bench.report import report
