@@ -28,14 +28,16 @@ run)
   TAG=${TAG:-ab}
   export PREFIXRAG_EMBEDDING__DEVICE=cpu  # naive's encoder; the app's own is set by --app-env below
   here=$PWD
+  absolute() { [[ $1 == /* ]] && echo "$1" || echo "$here/$1"; }  # base runs from its own folder
+  tokenizer=$(absolute "$MODEL") dest=$(absolute "$DEST")
   for round in $(seq "${ROUNDS:-3}"); do
     for side in head base; do
-      folder=$here; extra=${HEAD_ENV:-}
-      [[ $side == base ]] && folder=$here/$BASE_DIR && extra=${BASE_ENV:-}
+      folder=$here extra=${HEAD_ENV:-}
+      if [[ $side == base ]]; then folder=$(absolute "$BASE_DIR") extra=${BASE_ENV:-}; fi
       (cd "$folder" && python3 -m bench.throughput --data "$DATA/$dataset" --chroma /var/tmp/bench-throughput \
         --vllm-url "$URL/v1" --arms prefixrag,naive --warmup-s 15 --app-env PREFIXRAG_EMBEDDING__DEVICE=auto \
-        --app-env "PREFIXRAG_VLLM__TOKENIZER=$here/$MODEL" ${extra:+--app-env "$extra"} \
-        --app-log "/var/tmp/ab-$side-$round.log" --out "$here/$DEST/throughput-$dataset-$TAG-$side-$round.json" "$@")
+        --app-env "PREFIXRAG_VLLM__TOKENIZER=$tokenizer" ${extra:+--app-env "$extra"} \
+        --app-log "/var/tmp/ab-$side-$round.log" --out "$dest/throughput-$dataset-$TAG-$side-$round.json" "$@")
       echo "[gpu-ab] $side $round done $(date +%T)"
     done
   done
