@@ -132,9 +132,10 @@ class Pieces:
         while another check runs."""
         if not self.on or self.checking:
             return False
-        if cut.reused:
+        composed = cut.reused > 0
+        if composed:
             self._composed += 1
-        self.checking = cut.learns or (cut.reused > 0 and self._composed % CHECK_EVERY == 1)
+        self.checking = cut.learns or (composed and self._composed % CHECK_EVERY == 1)
         return self.checking
 
     def keep(self, learnt: list[tuple[bytes, bytes]], generation: int) -> None:
