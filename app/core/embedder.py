@@ -85,17 +85,18 @@ class Embedder:
 
 
 def _torch_questions(model: Any, texts: list[str]) -> list[list[float]]:
-    """A few short texts through the model's own preprocessing and forward pass, without ``encode``'s per-call
-    work (every module put in eval mode again, sorting, batching, device checks), which on a CPU costs a sizeable
-    share of one question's forward pass. The model is in eval mode from its load."""
+    """``question_vectors``, read back as lists (the one wait for the device on a GPU)."""
     return list(question_vectors(model, texts).tolist())
 
 
 def question_vectors(model: Any, texts: list[str]) -> Any:
-    """``texts``' normalised vectors, left where the model runs. On a GPU that vLLM keeps busy every
-    synchronisation waits for this process's turn on the device, so none happens here (reading the result is the
-    one): the inputs go over from pinned memory without waiting, and the transformer gets its attention mask
-    already in 4D (transformers otherwise reads a 2D mask back to see whether it holds padding)."""
+    """``texts``' normalised vectors, left where the model runs: a few short texts through the model's own
+    preprocessing and forward pass, without ``encode``'s per-call work (every module put in eval mode again,
+    sorting, batching, device checks), which on a CPU costs a sizeable share of one question's forward pass; the
+    model is in eval mode from its load. On a GPU that vLLM keeps busy every synchronisation waits for this
+    process's turn on the device, so none happens here: the inputs go over from pinned memory without waiting, and
+    the transformer gets its attention mask already in 4D (transformers otherwise reads a 2D mask back to see
+    whether it holds padding)."""
     import torch
 
     features = model.preprocess(texts)
