@@ -51,11 +51,18 @@ class RefusalDesk:
         return refused
 
     @staticmethod
+    def request_id(given_id: str) -> str:
+        """The response's request id, the client's own else a new one, also set as its access line's (as the
+        request id layer would)."""
+        request_id = given_id if given_id and valid_request_id(given_id) else f"{random.getrandbits(128):032x}"
+        correlation_id.set(request_id)
+        return request_id
+
+    @staticmethod
     def response(refused: Overloaded, given_id: str) -> tuple[list[tuple[bytes, bytes]], bytes]:
         """The 429's headers and OpenAI error body; the request id (the client's own, else a new one) is also
         set as the access line's."""
-        request_id = given_id if given_id and valid_request_id(given_id) else f"{random.getrandbits(128):032x}"
-        correlation_id.set(request_id)  # the access line's id, as the request id layer would set it
+        request_id = RefusalDesk.request_id(given_id)
         body = _body(refused.message, refused.type, refused.param, refused.code)
         return [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                 (b"retry-after", str(refused.retry_after_s).encode()),

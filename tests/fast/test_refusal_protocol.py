@@ -1,6 +1,7 @@
-"""Refusals in the HTTP parser (``app.serve.refusal_protocol``), on raw HTTP/1.1 connections against the fake vLLM:
-a refused request's body is dropped and the connection serves the next one; answers keep their order on a
-connection; ``Connection: close`` is honoured; with CORS configured the app refuses (its headers are needed)."""
+"""Refusals and liveness in the HTTP parser (``app.serve.refusal_protocol``), on raw HTTP/1.1 connections against the
+fake vLLM: a refused request's body is dropped and the connection serves the next one; answers keep their order on
+a connection; ``Connection: close`` is honoured; with CORS configured the app refuses (its headers are needed); a
+liveness probe answered as the app's route would."""
 
 from __future__ import annotations
 
@@ -9,12 +10,15 @@ import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import httpx
+import pytest
+
 from app.serve.app import create_app
 from app.serve.refusal_protocol import refusing_protocol
 from tests.support.corpora import app_settings
 from tests.support.fake_app import hold_the_place, place_taken
 from tests.support.fakes import GatedVLLM
-from tests.support.servers import AppServer
+from tests.support.servers import AppServer, http_requests
 
 
 def request(question: str, *headers: str) -> bytes:
@@ -102,3 +106,30 @@ def test_with_cors_configured_the_app_refuses_with_its_headers(notes, embedder):
         llm.gate.set()
         held.result(timeout=30)
     assert status == 429 and headers["access-control-allow-origin"] == "http://page.test"
+
+
+@pytest.mark.parametrize("http", [None, "httptools"])
+def test_a_liveness_probe_is_answered_in_the_parser_as_the_app_would_answer_it(notes, embedder, http):
+    """``GET /healthz`` as ``python -m app`` serves it never reaches the app (else the app's route answers): the
+    same status and body, a request id (the client's own or a new one), counted in the HTTP metrics; other methods
+    and paths still go to the app."""
+    server, _ = at_capacity(notes, embedder)
+    app, reached = server.app, []
+
+    async def counted_app(scope, receive, send):  # what uvicorn hands to the app
+        reached.append((scope.get("method"), scope.get("path")))
+        await app(scope, receive, send)
+
+    with AppServer(app, http=http, asgi=counted_app) as server:
+        before = http_requests(httpx.get(server.url + "/metrics", timeout=10).text)
+        reached.clear()  # AppServer's own start-up probes
+        probes = [httpx.get(server.url + "/healthz", timeout=10),
+                  httpx.get(server.url + "/healthz?from=lb", headers={"X-Request-ID": "probe-1"}, timeout=10)]
+        posted = httpx.post(server.url + "/healthz", timeout=10)
+        after = http_requests(httpx.get(server.url + "/metrics", timeout=10).text)
+    assert [(p.status_code, p.json()) for p in probes] == [(200, {"status": "ok"})] * 2
+    assert len(probes[0].headers["x-request-id"]) == 32 and probes[1].headers["x-request-id"] == "probe-1"
+    assert after.get(("/healthz", "GET", "200"), 0) - before.get(("/healthz", "GET", "200"), 0) == 2
+    assert posted.status_code == 405
+    assert reached.count(("GET", "/healthz")) == (0 if http is None else 2)
+    assert ("POST", "/healthz") in reached
