@@ -35,6 +35,14 @@ class Returns:
         while len(self._due) > REMEMBERED:
             self._due.popitem(last=False)
 
+    def kept(self) -> None:
+        """This request's connection was admitted: whatever it was told before is settled. A client admitted
+        after a refusal (a place freed as it asked) that asks again later is a new request, not one returning
+        when told: with its old promise still due it would be let wait ahead of the clients that did wait."""
+        key = CLIENT.get()
+        if key is not None:
+            self._due.pop(key, None)
+
     def on_time(self) -> bool:
         """Does this request come back on its connection no earlier than it was told?"""
         key = CLIENT.get()

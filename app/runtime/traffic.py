@@ -139,6 +139,8 @@ class LiveTraffic:
         hold_s = 0.0 if admissible else self.returns.hold_s(self.service_time_s())  # came back when told: may wait
         if not admissible and not hold_s:
             raise self._refusal()
+        if admissible:
+            self.returns.kept()
         self._arrive()
         try:
             await self._take_place(hold_s)

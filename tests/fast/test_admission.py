@@ -203,6 +203,40 @@ async def test_a_client_that_comes_back_when_told_waits_for_the_next_place_and_o
     await holder
 
 
+async def test_a_client_admitted_after_a_refusal_is_not_taken_later_for_one_returning_when_told():
+    """A storm's client that got a place as one freed, asking again once its old Retry-After is past, is refused at
+    once like the rest of the storm: it did not wait as told, so it may not wait ahead of those that did."""
+    from app.runtime.returns import CLIENT
+
+    traffic = LiveTraffic(1, 0)
+
+    async def ask(client: str, release: asyncio.Event | None = None) -> str:
+        CLIENT.set(client)
+        try:
+            async with traffic.slot():
+                if release is not None:
+                    await release.wait()
+                return "admitted"
+        except Overloaded:
+            return "429"
+
+    first, answered, last = asyncio.Event(), asyncio.Event(), asyncio.Event()
+    holder = asyncio.create_task(held_until(traffic, first))
+    await asyncio.sleep(0.01)
+    assert await ask("10.0.0.2:2") == "429"  # told to come back in a second
+    first.set()
+    await holder
+    admitted = asyncio.create_task(ask("10.0.0.2:2", answered))  # asks again at once: the place is free
+    await asyncio.sleep(1.05)  # its answer takes longer than it was told to wait
+    answered.set()
+    assert await admitted == "admitted"
+    holder = asyncio.create_task(held_until(traffic, last))
+    await asyncio.sleep(0.01)
+    assert await asyncio.wait_for(ask("10.0.0.2:2"), 0.5) == "429"  # its next question, the service full again
+    last.set()
+    await holder
+
+
 async def test_clients_that_came_back_get_the_places_freed_in_the_order_they_came_back():
     from app.runtime.returns import CLIENT
 
