@@ -49,16 +49,15 @@ class Returns:
         due = self._due.get(key) if key is not None else None
         return due is not None and time.monotonic() >= due
 
-    def hold_s(self, drain_s: float) -> float:
+    def hold_s(self, service_s: float) -> float:
         """How long this request may wait for a place, if it came back on time (its promise is then spent; else
-        0): about as long as places take to free (``drain_s``: a request's recent service time, more while
-        requests beyond a lowered limit end first), bounded by ``MIN_HOLD_S`` and ``MAX_HOLD_S``. Answers that
-        started together (a burst admitted at once, decoded in step) end together, so places can free in waves
-        a service time apart: a shorter wait would end in the gap between two waves, and the client that obeyed
-        would be refused again."""
+        0): about as long as a request holds its place (``service_s``, recently), bounded by ``MIN_HOLD_S`` and
+        ``MAX_HOLD_S``. Answers that started together (a burst admitted at once, decoded in step) end together,
+        so places can free in waves a service time apart: a shorter wait would end in the gap between two
+        waves, and the client that obeyed would be refused again."""
         if not self.on_time():
             return 0.0
         key = CLIENT.get()
         assert key is not None
         self._due.pop(key)
-        return min(MAX_HOLD_S, max(MIN_HOLD_S, drain_s))
+        return min(MAX_HOLD_S, max(MIN_HOLD_S, service_s))

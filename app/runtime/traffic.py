@@ -136,7 +136,7 @@ class LiveTraffic:
         ``auto`` once a reading of vLLM's queue shows no room); a request that came back when its Retry-After
         said (``Returns``) waits for the next place freed instead, for a while."""
         admissible = await self._admissible()
-        hold_s = 0.0 if admissible else self.returns.hold_s(self._drain_s())  # came back when told: may wait
+        hold_s = 0.0 if admissible else self.returns.hold_s(self.service_time_s())  # came back when told: may wait
         if not admissible and not hold_s:
             raise self._refusal()
         if admissible:
@@ -271,19 +271,9 @@ class LiveTraffic:
         self._signal()
 
     def retry_after_s(self) -> int:
-        """Seconds until a place is likely free: the queue ahead and the requests running beyond a limit that
-        came down (vLLM queues them), drained ``max_in_flight`` at a time."""
-        waves = (self.queued + self._beyond_limit() + 1) / self.max_in_flight
+        """Seconds until a place is likely free: the queue ahead, drained ``max_in_flight`` at a time."""
+        waves = (self.queued + 1) / self.max_in_flight
         return max(1, min(MAX_RETRY_AFTER_S, math.ceil(waves * self.service_time_s())))
-
-    def _drain_s(self) -> float:
-        """How long places take to free for a request ahead of the queue: a service time, and one more for each
-        ``max_in_flight`` requests running beyond a limit that came down, which must end before any place is
-        given (the limit follows vLLM's queue down at once, those running drain at its pace)."""
-        return self.service_time_s() * (1 + self._beyond_limit() / self.max_in_flight)
-
-    def _beyond_limit(self) -> int:
-        return max(0, self.running - self.max_in_flight)
 
     def service_time_s(self) -> float:
         """How long a request holds its place: the recent average; until a first request has ended (a burst

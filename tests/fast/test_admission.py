@@ -327,43 +327,6 @@ async def test_a_request_waiting_beyond_the_limit_has_vllms_queue_read_at_once_n
         reader.cancel()
 
 
-async def test_while_requests_beyond_a_lowered_limit_drain_a_client_is_told_to_wait_longer_and_waits_for_them(
-        monkeypatch):
-    """vLLM queues, and the limit comes down to what it runs: those running beyond it end before any place is
-    given. Retry-After counts them, and a client that came back when told waits for them, not one service time."""
-    from app.runtime import returns
-    from app.runtime.returns import CLIENT
-
-    monkeypatch.setattr(returns, "MIN_HOLD_S", 0.1)
-    traffic = LiveTraffic(4, 0, AutoLimit(low=1, high=100, fresh_s=60))
-    async with traffic.slot():  # one answer has ended: the service time is the average, set below
-        pass
-    releases = [asyncio.Event() for _ in range(4)]
-    holders = [asyncio.create_task(held_until(traffic, release)) for release in releases]
-    await asyncio.sleep(0.01)
-    traffic.engine_queue(3)  # vLLM runs one of our four: the limit comes down to 1, three beyond it
-    traffic.service_s = 2.0
-    assert traffic.max_in_flight == 1 and traffic.retry_after_s() == 8  # four waves of 2 s: three, then this one
-
-    async def ask() -> str:
-        CLIENT.set("10.0.0.1:1")
-        try:
-            async with traffic.slot():
-                return "admitted"
-        except Overloaded as refusal:
-            return f"429 after {refusal.retry_after_s}"
-
-    traffic.service_s = 0.2
-    assert await ask() == "429 after 1"
-    await asyncio.sleep(1.05)  # as told
-    returned = asyncio.create_task(ask())
-    for release in releases:  # the four end 0.15 s apart: the place comes once all have (0.6 s; 0.8 s allowed)
-        await asyncio.sleep(0.15)
-        release.set()
-    assert await returned == "admitted"
-    await asyncio.gather(*holders)
-
-
 async def test_before_any_answer_has_ended_a_returning_client_waits_as_long_as_the_first_has_held_its_place(
         monkeypatch):
     """A storm at start-up: the first answers are all still running, so the average service time is only its
