@@ -15,8 +15,8 @@ from collections import OrderedDict
 from contextvars import ContextVar
 
 CLIENT: ContextVar[str | None] = ContextVar("prefixrag_client", default=None)  # this request's connection
-MIN_HOLD_S = 5.0  # a client that came back when told waits at least this long for a place before a new 429
-MAX_HOLD_S = 30.0  # ... and at most this long, however long requests hold their places
+MIN_HOLD_S = 5.0  # a client that came back when told waits at least this long with no place freed before a 429
+MAX_HOLD_S = 30.0  # ... and at most this long in all, however long requests hold their places
 REMEMBERED = 10_000  # promises kept at most (the oldest forgotten first)
 
 
@@ -49,12 +49,17 @@ class Returns:
         due = self._due.get(key) if key is not None else None
         return due is not None and time.monotonic() >= due
 
+    @staticmethod
+    def longest_hold_s() -> float:
+        """The longest a request that came back on time waits for a place, however the queue moves."""
+        return MAX_HOLD_S
+
     def hold_s(self, service_s: float) -> float:
-        """How long this request may wait for a place, if it came back on time (its promise is then spent; else
-        0): about as long as a request holds its place (``service_s``, recently), bounded by ``MIN_HOLD_S`` and
-        ``MAX_HOLD_S``. Answers that started together (a burst admitted at once, decoded in step) end together,
-        so places can free in waves a service time apart: a shorter wait would end in the gap between two
-        waves, and the client that obeyed would be refused again."""
+        """How long this request may wait for a place with none freed, if it came back on time (its promise is
+        then spent; else 0): about as long as a request holds its place (``service_s``, recently), bounded by
+        ``MIN_HOLD_S`` and ``MAX_HOLD_S``. Answers that started together (a burst admitted at once, decoded in
+        step) end together, so places can free in waves a service time apart: a shorter wait would end in the
+        gap between two waves, and the client that obeyed would be refused again."""
         if not self.on_time():
             return 0.0
         key = CLIENT.get()

@@ -74,6 +74,7 @@ class LiveTraffic:
         self.cutoff.on_cut(self._end_waits)
         self.returns = Returns()  # refused connections, and when each was told to come back
         self._changed = asyncio.Event()  # set (and replaced) at each reading of vLLM's queue and each freed place
+        self._freed = asyncio.Event()  # set (and replaced) at each freed place
         self.reading_wanted = asyncio.Event()  # a request waits beyond the limit: read vLLM's queue now, not later
 
     @property
@@ -226,7 +227,7 @@ class LiveTraffic:
 
     async def _take_place(self, hold_s: float = 0.0) -> None:
         """A place now, or the next one freed; ``hold_s``: a request beyond the limit and the queue (it came back
-        when told) waits at most this long, then is refused."""
+        when told) is refused once this long passes with no place freed (``_while_places_free``)."""
         if self.running < self.max_in_flight and not self._waiting:
             self.running += 1
             return
@@ -238,7 +239,7 @@ class LiveTraffic:
             self._waiting.append(place)
         try:
             if hold_s:
-                await asyncio.wait_for(asyncio.shield(place), hold_s)
+                await self._while_places_free(place, hold_s)
             else:
                 await place
         except TimeoutError:
@@ -256,6 +257,23 @@ class LiveTraffic:
                 self._returning.discard(place)
             raise
 
+    async def _while_places_free(self, place: asyncio.Future[None], idle_s: float) -> None:
+        """Wait for ``place`` while places keep being freed: ``TimeoutError`` after ``idle_s`` in which none was,
+        or ``Returns.longest_hold_s()`` in all. When vLLM queues, the limit comes down at once to what it runs, and
+        every request running beyond it ends before a place is given: a fixed wait ended during that drain, and
+        the client that obeyed was refused again while the queue moved."""
+        deadline = time.monotonic() + Returns.longest_hold_s()
+        while True:
+            freed, wait_s = self._freed, min(idle_s, deadline - time.monotonic())
+            if wait_s <= 0:
+                raise TimeoutError
+            try:
+                await asyncio.wait_for(asyncio.shield(place), wait_s)
+                return
+            except TimeoutError:
+                if place.done() or not freed.is_set():
+                    raise
+
     def _end_waits(self) -> None:
         """The drain time is over: a request still queued for a place gets ``ShuttingDown`` (a 503 its client can
         tell from a crash), not a cut connection when the server closes."""
@@ -268,6 +286,8 @@ class LiveTraffic:
     def _free_place(self) -> None:
         self.running -= 1
         self._set_limit(self.max_in_flight)  # hands the place to the next waiting request
+        self._freed.set()
+        self._freed = asyncio.Event()
         self._signal()
 
     def retry_after_s(self) -> int:

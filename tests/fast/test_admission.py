@@ -327,6 +327,52 @@ async def test_a_request_waiting_beyond_the_limit_has_vllms_queue_read_at_once_n
         reader.cancel()
 
 
+async def test_a_client_that_came_back_waits_while_places_free_beyond_one_service_time(monkeypatch):
+    """vLLM queues, and the limit comes down to what it runs: those running beyond it end before any place is
+    given. A client that came back when told waits while they end (places keep being freed), not one service
+    time; with none freed for a service time it is refused."""
+    from app.runtime import returns
+    from app.runtime.returns import CLIENT
+
+    monkeypatch.setattr(returns, "MIN_HOLD_S", 0.1)
+    traffic = LiveTraffic(4, 0, AutoLimit(low=1, high=100, fresh_s=60))
+    async with traffic.slot():  # one answer has ended: the service time is the average, set below
+        pass
+    releases = [asyncio.Event() for _ in range(5)]
+    holders = [asyncio.create_task(held_until(traffic, release)) for release in releases[:4]]
+    await asyncio.sleep(0.01)
+    traffic.engine_queue(3)  # vLLM runs one of our four: the limit comes down to 1, three beyond it
+    traffic.service_s = 0.2
+
+    async def ask(release: asyncio.Event | None = None) -> str:
+        CLIENT.set("10.0.0.1:1")
+        try:
+            async with traffic.slot():
+                if release is not None:
+                    await release.wait()
+                return "admitted"
+        except Overloaded as refusal:
+            return f"429 after {refusal.retry_after_s}"
+
+    assert await ask() == "429 after 1"
+    await asyncio.sleep(1.05)  # as told
+    returned = asyncio.create_task(ask(releases[4]))
+    for release in releases[:4]:  # they end 0.15 s apart: the place comes after 0.6 s, three service times
+        await asyncio.sleep(0.15)
+        release.set()
+    await asyncio.sleep(0.05)
+    assert traffic.running == 1 and not returned.done()  # admitted, holding the place
+    traffic.service_s = 0.2  # as before the four long holders ended
+    assert await ask() == "429 after 1"  # asked early: refused at once
+    await asyncio.sleep(1.05)  # as told
+    started = asyncio.get_running_loop().time()
+    assert await ask() == "429 after 1"  # nothing freed within a service time (0.2 s): refused
+    assert 0.15 < asyncio.get_running_loop().time() - started < 0.5
+    releases[4].set()
+    assert await returned == "admitted"
+    await asyncio.gather(*holders)
+
+
 async def test_before_any_answer_has_ended_a_returning_client_waits_as_long_as_the_first_has_held_its_place(
         monkeypatch):
     """A storm at start-up: the first answers are all still running, so the average service time is only its
