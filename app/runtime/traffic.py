@@ -74,7 +74,6 @@ class LiveTraffic:
         self.cutoff.on_cut(self._end_waits)
         self.returns = Returns()  # refused connections, and when each was told to come back
         self._changed = asyncio.Event()  # set (and replaced) at each reading of vLLM's queue and each freed place
-        self._freed = asyncio.Event()  # set (and replaced) at each freed place
         self.reading_wanted = asyncio.Event()  # a request waits beyond the limit: read vLLM's queue now, not later
 
     @property
@@ -264,14 +263,14 @@ class LiveTraffic:
         the client that obeyed was refused again while the queue moved."""
         deadline = time.monotonic() + Returns.longest_hold_s()
         while True:
-            freed, wait_s = self._freed, min(idle_s, deadline - time.monotonic())
+            ended, wait_s = self._ended, min(idle_s, deadline - time.monotonic())
             if wait_s <= 0:
                 raise TimeoutError
             try:
                 await asyncio.wait_for(asyncio.shield(place), wait_s)
                 return
             except TimeoutError:
-                if place.done() or not freed.is_set():
+                if place.done() or self._ended == ended:  # no request gave its place back meanwhile
                     raise
 
     def _end_waits(self) -> None:
@@ -286,8 +285,6 @@ class LiveTraffic:
     def _free_place(self) -> None:
         self.running -= 1
         self._set_limit(self.max_in_flight)  # hands the place to the next waiting request
-        self._freed.set()
-        self._freed = asyncio.Event()
         self._signal()
 
     def retry_after_s(self) -> int:
