@@ -12,8 +12,9 @@ clients share the app's two cores, and remote clients would not.
 
 It reports every status, how long a 429 took to come back (p50/p95/p99; as the storm's clients saw it, and as a
 probe asking every 100 ms from a process of its own saw it), ``/healthz``'s latency, the obeying clients'
-retries and how many of them were admitted, the ``Retry-After`` values given, the app's event-loop CPU, and its
-loop's lag and garbage-collection pauses during the storm (how many over 10 and 50 ms).
+retries and how many of them were admitted, the ``Retry-After`` values given, the app's event-loop CPU, its
+loop's lag and garbage-collection pauses during the storm (how many over 10 and 50 ms), and the admission limit
+as ``/readyz`` reported it once a second (with ``auto``: where vLLM's queue moved it).
 Targets (issue 37): 429 p99 <= 100 ms and ``/healthz`` p99 <= 50 ms on the 2-core CPU; an obeying client admitted
 on >= 50 % of its retries."""
 
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import sys
 import time
@@ -121,6 +123,22 @@ async def client(http: httpx.AsyncClient, questions: list[str], tally: Tally, ob
             await asyncio.sleep(float(retry_after or 1))
 
 
+async def admission_limits(url: str, deadline: float) -> list[float]:
+    """The admission limit as ``/readyz`` reports it, once a second until ``deadline``."""
+    seen: list[float] = []
+    async with httpx.AsyncClient(base_url=url, timeout=30) as http:
+        while time.monotonic() < deadline:
+            with contextlib.suppress(httpx.HTTPError, KeyError, ValueError):
+                seen.append(float((await http.get("/readyz")).json()["traffic"]["max_in_flight"]))
+            await asyncio.sleep(1)
+    return seen
+
+
+def spread(values: list[float]) -> dict[str, float]:
+    return {"min": min(values), "p10": percentile(values, 10), "p50": percentile(values, 50),
+            "p90": percentile(values, 90), "max": max(values), "samples": len(values)} if values else {}
+
+
 async def storm(url: str, questions: list[str], args: argparse.Namespace, app_pid: int) -> dict:
     probe = await asyncio.create_subprocess_exec(sys.executable, "-c", HEALTH_PROBE, url, str(args.duration_s),
                                                  stdout=asyncio.subprocess.PIPE, preexec_fn=lambda: renice(0))
@@ -139,6 +157,7 @@ async def storm(url: str, questions: list[str], args: argparse.Namespace, app_pi
         async with connection() as http:
             await client(http, questions, obeying if obeys else stormy, obeys, deadline, args.max_tokens, seed)
 
+    limits = asyncio.create_task(admission_limits(url, deadline))
     await asyncio.gather(*(one(False, i) for i in range(args.storm)),
                          *(one(True, 1000 + i) for i in range(args.obeying)))
     async with httpx.AsyncClient(base_url=url, timeout=30) as http:
@@ -153,7 +172,7 @@ async def storm(url: str, questions: list[str], args: argparse.Namespace, app_pi
             # The serving loop's own stalls meanwhile: its lag (a task sleeping 0.1 s resumed late) and GC pauses.
             "app_pauses": {series: {key: round(value - pauses_before.get(series, {}).get(key, 0), 1)
                                     for key, value in row.items()} for series, row in pauses.items()},
-            "clients_cpu_s": round(time.thread_time() - clients_before, 2)}
+            "clients_cpu_s": round(time.thread_time() - clients_before, 2), "admission_limit": spread(await limits)}
 
 
 def run(args: argparse.Namespace, vllm_url: str, tmp: Path) -> dict:

@@ -67,6 +67,9 @@ class _StateCollector:
                                 value=int(warmup.done))
         yield GaugeMetricFamily("prefixrag_requests_present", "User requests admitted (in flight or queued).",
                                 value=traffic.present)
+        yield GaugeMetricFamily("prefixrag_admission_limit", "User requests admission lets in flight at once now "
+                                "(max_in_flight; with auto, where vLLM's queue has moved it).",
+                                value=traffic.max_in_flight)
         yield CounterMetricFamily("prefixrag_requests_refused", "Requests refused with 429 (at capacity).",
                                   value=traffic.refused)
         yield CounterMetricFamily("prefixrag_warmup_yields", "Pre-warm requests aborted to let a user go first.",

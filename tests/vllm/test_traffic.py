@@ -92,6 +92,7 @@ def test_over_capacity_is_a_fast_429_with_retry_after_in_openai_shape(collection
         # event-loop stalls this 2-core VM shows under load (bench/README.md, live traffic: up to seconds).
         assert elapsed < 15, "refused at once, not after waiting"
         assert metric_total(metrics, "prefixrag_requests_refused_total") == 3
+        assert metric_total(metrics, "prefixrag_admission_limit") == 1
         # The holder has gone: its slot comes back and requests are admitted again.
         wait_until(lambda: httpx.post(server.url + "/ask", json={"question": "What do anchors do?"},
                                       timeout=60).status_code == 200, 30, "a slot freed after the stream closed")
