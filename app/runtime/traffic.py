@@ -41,9 +41,8 @@ class TrafficStatus:
 class AutoLimit:
     """``max_in_flight=auto``: the limit starts at ``low``, grows while vLLM runs every request it is sent (between
     two readings of its queue, by as many requests as the KV cache vLLM has free would hold, judged by what ours
-    use now; at least doubling; an eighth within ``full_s`` of a queue) and shrinks to what vLLM runs once it
-    queues. Beyond the limit, while vLLM's last reading showed no queue, a request waits for the next reading (at
-    most ``wait_s``) rather than be refused."""
+    use now; at least doubling) and shrinks to what vLLM runs once it queues. Beyond the limit, while vLLM's last
+    reading showed no queue, a request waits for the next reading (at most ``wait_s``) rather than be refused."""
 
     low: int
     high: int
@@ -113,20 +112,15 @@ class LiveTraffic:
     def engine_queue(self, waiting: float, kv_usage: float | None = None) -> None:
         """vLLM's own queue, read now (``max_in_flight=auto``), and the fraction of its KV cache in use: none
         waiting lets the limit grow until the next reading (``_room``); requests waiting there bring it down to
-        those vLLM runs of ours. Within ``full_s`` of such a fall it grows by an eighth (at least one) a reading:
-        the requests admitted since are mostly still ranking, not yet in vLLM's queue, so a reading without a
-        queue says little about room, and doubling on it overshot what vLLM serves at every step of a storm."""
+        those vLLM runs of ours."""
         if self.auto is None:
             return
         (self._congested.set if waiting > 0 else self._congested.clear)()
-        now = time.monotonic()
         if self._queueing:
-            self._queued_at, self._room_until, self._growth = now, 0.0, 0
+            self._queued_at, self._room_until, self._growth = time.monotonic(), 0.0, 0
             self._set_limit(max(self.auto.low, min(self.max_in_flight, self.running - int(waiting))))
-        elif now - self._queued_at < self.auto.full_s:  # vLLM queued a moment ago: step up gently
-            self._room_until, self._growth = now + self.auto.fresh_s, max(1, self.max_in_flight // 8)
         else:
-            self._room_until, self._growth = now + self.auto.fresh_s, self._room(kv_usage)
+            self._room_until, self._growth = time.monotonic() + self.auto.fresh_s, self._room(kv_usage)
         self._signal()
 
     def _room(self, kv_usage: float | None) -> int:
