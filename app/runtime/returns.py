@@ -1,8 +1,10 @@
 """Clients that come back when told. A 429's ``Retry-After`` is a promise to the connection it was sent on: a request
 on that connection after the promised time is a client that obeyed, and it may wait (briefly) for the next place
-freed instead of being refused again; one that comes back early, as a retry storm does, is refused at once and told
-again, its time starting over (so it never comes back "on time"). Without this, a place freed goes to whichever
-request comes first, and clients that never wait always come first.
+freed instead of being refused again; one that comes back early, as a retry storm does, is refused at once and its
+promise is forfeit until it is next admitted: a storm's client asks again at once after each 429, and when its own
+loop or the network lags past a short ``Retry-After`` (1 s, often) a retry lands after the promised time without
+having waited as told. Without this, a place freed goes to whichever request comes first, and clients that never
+wait always come first.
 
 The connection (client address and port, set by the request edge) is the only identity a refusal can be tied to
 without one from the client; through a proxy that pools connections a return may be credited to another of its
@@ -10,6 +12,7 @@ users, who then only waits for a place rather than being refused."""
 
 from __future__ import annotations
 
+import math
 import time
 from collections import OrderedDict
 from contextvars import ContextVar
@@ -18,6 +21,7 @@ CLIENT: ContextVar[str | None] = ContextVar("prefixrag_client", default=None)  #
 MIN_HOLD_S = 5.0  # a client that came back when told waits at least this long with no place freed before a 429
 MAX_HOLD_S = 30.0  # ... and at most this long in all, however long requests hold their places
 REMEMBERED = 10_000  # promises kept at most (the oldest forgotten first)
+FORFEIT = math.inf  # the promise of a connection that came back early: never on time again until admitted
 
 
 class Returns:
@@ -25,13 +29,14 @@ class Returns:
         self._due: OrderedDict[str, float] = OrderedDict()  # connection -> when its retry is welcome (monotonic s)
 
     def promise(self, retry_after_s: float) -> None:
-        """This request's connection was refused and told to come back in ``retry_after_s`` (from now: an
-        earlier promise it did not wait for is replaced)."""
+        """This request's connection was refused and told to come back in ``retry_after_s`` from now; one that
+        came back before an earlier promise's time is told nothing it could keep (``FORFEIT``) until admitted."""
         key = CLIENT.get()
         if key is None:
             return
-        self._due.pop(key, None)
-        self._due[key] = time.monotonic() + retry_after_s
+        now = time.monotonic()
+        due = self._due.pop(key, None)
+        self._due[key] = FORFEIT if due is not None and now < due else now + retry_after_s
         while len(self._due) > REMEMBERED:
             self._due.popitem(last=False)
 

@@ -237,6 +237,33 @@ async def test_a_client_admitted_after_a_refusal_is_not_taken_later_for_one_retu
     await holder
 
 
+async def test_a_client_that_came_back_early_is_refused_at_once_when_a_later_retry_lands_after_its_time():
+    """A storm's client asks again at once after each 429; when its own loop lags past its Retry-After, a retry
+    lands after the promised time by the clock. It did not wait as told: refused at once, not let wait for a
+    place ahead of the clients that did."""
+    from app.runtime.returns import CLIENT
+
+    traffic, release = LiveTraffic(1, 0), asyncio.Event()
+    holder = asyncio.create_task(held_until(traffic, release))
+    await asyncio.sleep(0.01)
+
+    async def ask(client: str) -> str:
+        CLIENT.set(client)
+        try:
+            async with traffic.slot():
+                return "admitted"
+        except Overloaded:
+            return "429"
+
+    assert await ask("10.0.0.2:2") == "429"  # told to come back in a second
+    assert await ask("10.0.0.2:2") == "429"  # back at once
+    await asyncio.sleep(1.05)  # its next retry lags past the second it was last told
+    assert await asyncio.wait_for(ask("10.0.0.2:2"), 0.5) == "429"  # at once, not after a wait for a place
+    release.set()
+    await holder
+    assert await ask("10.0.0.2:2") == "admitted"  # a place free: admitted like anyone, its slate clean
+
+
 async def test_clients_that_came_back_get_the_places_freed_in_the_order_they_came_back():
     from app.runtime.returns import CLIENT
 
