@@ -128,6 +128,10 @@ class ContextSettings(BaseModel):
         None, ge=0, description="document strategy: at most this many of the hits outside a leading page follow it, "
         "best-ranked first (None: all). Each is uncached text that attends over the whole page: fewer cost less "
         "prefill and show fewer passages.")
+    unit_extras: int = Field(
+        0, ge=0, description="document strategy: at most this many of the hits outside a unit bigger than the plain "
+        "top-k follow it, best-ranked first (0: the unit alone). Each is uncached text that attends over the whole "
+        "unit: more show more passages (gold in the prompt) and cost more prefill.")
     max_unit_tokens: int | None = Field(
         None, ge=128, description="document strategy: a bigger parent is cut into aligned windows of this many "
         "tokens (auto: nor is a bigger corpus used whole); never more than half the room the served window "

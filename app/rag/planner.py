@@ -74,7 +74,7 @@ class ContextPlanner:
         self.strategies: dict[str, ContextStrategy] = {
             "canonical": Canonical(), "reuse": Reuse(ServedTrie()), "corpus": self.corpus,
             "document": Document(self.units, self.hotness, settings.max_units, settings.unit_quorum,
-                                 settings.page_extras)}
+                                 settings.page_extras, settings.unit_extras)}
         # auto starts as document and becomes corpus once ``prepare`` found that it fits.
         self.active = self.strategies["document" if settings.strategy == "auto" else settings.strategy]
 

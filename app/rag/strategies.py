@@ -3,9 +3,10 @@ a prefix vLLM already holds. Each is a setting (PREFIXRAG_CONTEXT__STRATEGY) and
 
 - canonical: the top-k chunks sorted by stable id. Identical sets share a prefix; in a shuffled stream rare.
 - document: the top hit's stable unit (its whole parent document, or an aligned window of it) when it holds most
-  hits, else the plain top-k; small units come several to a prompt, hot units first. A unit is shared by every
-  question about it. When the top hit's document was grouped into a page (small documents, ``app.core.pages``),
-  the page holding most hits comes first, then the hits outside it (at most ``page_extras`` of them).
+  hits (then at most ``unit_extras`` hits outside it follow), else the plain top-k; small units come several to a
+  prompt, hot units first. A unit is shared by every question about it. When the top hit's document was grouped
+  into a page (small documents, ``app.core.pages``), the page holding most hits comes first, then the hits
+  outside it (at most ``page_extras`` of them).
 - reuse: the top-k set ordered along the longest path already served (bounded trie), the rest canonically.
 - corpus: the whole collection, parent document by parent document, as one fixed prefix, when it fits the window.
 - auto: corpus when it is no bigger than a unit (max_unit_tokens, or half the window's room), else document.
@@ -60,18 +61,19 @@ class Canonical:
 
 
 class Document(Canonical):
-    """A unit bigger than the plain top-k (an article) is the whole context when it holds at least ``quorum`` of
-    the hits: retrieval agrees the answer lives there, and it is cached. When the hits are scattered there is no
-    unit to bet on, and hits appended after a long unit would be uncached text on top of it: the plain top-k
-    (canonical) it is. Units smaller than the top-k (abstracts, short files) come several to a prompt: each hit's
-    unit while they stay within the top-k's size, else the hit itself, so no hit is ever dropped."""
+    """A unit bigger than the plain top-k (an article) is the context when it holds at least ``quorum`` of the
+    hits: retrieval agrees the answer lives there, and it is cached; at most ``unit_extras`` of the hits outside
+    it follow (none by default: each is uncached text on top of it). When the hits are scattered there is no unit
+    to bet on, and the plain top-k (canonical) it is. Units smaller than the top-k (abstracts, short files) come
+    several to a prompt: each hit's unit while they stay within the top-k's size, else the hit itself, so no hit
+    is ever dropped."""
 
     name = "document"
 
     def __init__(self, units: UnitIndex, hotness: Hotness, max_units: int | None = None, quorum: float = 0.5,
-                 page_extras: int | None = None) -> None:
+                 page_extras: int | None = None, unit_extras: int = 0) -> None:
         self.units, self.hotness, self.max_units, self.quorum = units, hotness, max_units, quorum
-        self.page_extras = page_extras
+        self.page_extras, self.unit_extras = page_extras, unit_extras
 
     async def arrange(self, ranked: list[ContextChunk], budget: int, stable: bool = False,
                       scoped: bool = False) -> list[ContextChunk]:
@@ -85,8 +87,10 @@ class Document(Canonical):
         inside = {c.id for c in chunks}
         room = estimate_tokens(ranked) - estimate_tokens(chunks)
         if room <= 0:
-            held = sum(c.id in inside for c in ranked)
-            return self._in_order(units, [], stable) if held >= self.quorum * len(ranked) else canonical(ranked)
+            if sum(c.id in inside for c in ranked) < self.quorum * len(ranked):
+                return canonical(ranked)
+            outside = [c for c in ranked if c.id not in inside]  # best-ranked first
+            return self._in_order(units, outside[:self.unit_extras], stable)
         extras = []
         for hit in ranked[1:]:  # best-ranked first
             if hit.id in inside:

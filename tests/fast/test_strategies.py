@@ -69,8 +69,8 @@ def test_a_big_unit_holding_most_hits_is_the_context_else_the_plain_top_k_is(art
     retriever = Retriever.over(embedder, settings.chroma, ThreadPoolExecutor(1))
     mixed = "What happened in 1853 and 1993?"  # retrieves from both articles, mostly the glacier
 
-    async def arranged(question, top_k, quorum=0.5):
-        strategy = Document(UnitIndex(retriever.index, 12288), Hotness(None), quorum=quorum)
+    async def arranged(question, top_k, quorum=0.5, extras=0):
+        strategy = Document(UnitIndex(retriever.index, 12288), Hotness(None), quorum=quorum, unit_extras=extras)
         ranked = await retriever.retrieve(question, top_k)
         return ranked, await strategy.arrange(ranked, 100_000)
 
@@ -86,6 +86,11 @@ def test_a_big_unit_holding_most_hits_is_the_context_else_the_plain_top_k_is(art
     top = ranked[0].doc_id.split("#")[0]
     assert any(not c.doc_id.startswith(top) for c in ranked), "the question must retrieve from both articles"
     assert [c.unit for c in context] == [top] * 8
+    # With unit_extras the hits outside the unit follow it, at most that many, the best-ranked first.
+    outside = [c for c in ranked if not c.doc_id.startswith(top)]
+    for extras in (1, 4):
+        ranked, context = asyncio.run(arranged(mixed, 4, extras=extras))
+        assert [c.unit for c in context[:8]] == [top] * 8 and context[8:] == canonical(outside[:extras])
     ranked, context = asyncio.run(arranged(mixed, 4, quorum=1.0))
     assert context == canonical(ranked)
 
