@@ -89,8 +89,7 @@ class Document(Canonical):
         if room <= 0:
             if sum(c.id in inside for c in ranked) < self.quorum * len(ranked):
                 return canonical(ranked)
-            outside = [c for c in ranked if c.id not in inside]  # best-ranked first
-            return self._in_order(units, outside[:self.unit_extras], stable)
+            return self._leading(units, inside, ranked, self.unit_extras, stable)
         extras = []
         for hit in ranked[1:]:  # best-ranked first
             if hit.id in inside:
@@ -117,8 +116,14 @@ class Document(Canonical):
         key, chunks = await self.units.unit_for(held[best][0])
         inside = {c.id for c in chunks}
         unit = self.units.placements.place(key, chunks, held[best][0].rank, hits)
+        return self._leading({key: unit}, inside, ranked, self.page_extras, stable)
+
+    def _leading(self, units: dict[str, list[ContextChunk]], inside: set[str], ranked: list[ContextChunk],
+                 most: int | None, stable: bool) -> list[ContextChunk]:
+        """One unit (or page) leads, and at most ``most`` of the hits outside it follow (None: all), the
+        best-ranked first: a long unit and a page share this rule, each with its own bound."""
         outside = [c for c in ranked if c.id not in inside]  # best-ranked first
-        return self._in_order({key: unit}, outside[:self.page_extras], stable)
+        return self._in_order(units, outside[:most], stable)
 
     def _in_order(self, units: dict[str, list[ContextChunk]], extras: list[ContextChunk],
                   stable: bool) -> list[ContextChunk]:
