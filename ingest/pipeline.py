@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import functools
 import math
 import multiprocessing
@@ -40,7 +41,7 @@ from ingest.report import IngestReport, Progress
 from ingest.writer import ChunkWriter
 
 PROCESSES_FROM_BYTES = 4_000_000  # a run smaller than this chunks on one thread (an upload of a few files)
-SLICE_FROM_BYTES = 1_000_000  # a file this large is chunked by every process, blocks of its documents each
+SLICE_FROM_BYTES = 1_000_000  # a file this large is chunked in blocks of its documents (by every process, if any)
 BLOCK_BYTES = 500_000  # about this much of such a file per block: writing starts when its first block is chunked
 
 
@@ -80,8 +81,11 @@ def run_ingest(roots: list[Path], settings: Settings, embedder: Any, *, prune: b
         # Built on first use: a re-ingest where nothing changed never loads the encoder (its tokenizer).
         chunker = functools.cache(lambda: chunker_for(settings, embedder))
 
-        def prepare(path: Path, rel: str) -> FileResult:
-            return plan(load(path, rel, settings, identity, by_source), stored, chunker, identity)
+        def loaded(path: Path, rel: str) -> FileResult:
+            return load(path, rel, settings, identity, by_source)
+
+        def planned(result: FileResult) -> FileResult:
+            return plan(result, stored, chunker, identity)
 
         def prepare_apart(path: Path, rel: str) -> tuple[Any, ...]:  # what a chunking process needs of this file
             known = {doc_id: stored[doc_id] for doc_id in ids_by_source.get(rel, [])}
@@ -96,7 +100,7 @@ def run_ingest(roots: list[Path], settings: Settings, embedder: Any, *, prune: b
         writer = ChunkWriter(collection, embedder, settings.ingest.write_batch, dry_run, report,
                              before_first_write=lambda: mark_changed(collection, writing=not settings.chroma.url))
         try:
-            with file_preparers(files, settings, prepare, prepare_apart, unchanged, chunker,
+            with file_preparers(files, settings, (loaded, planned), prepare_apart, unchanged, chunker,
                                 lambda: report.timed("load")) as (submit, depth):
                 _write_and_prune(files, submit, depth, stored, ids_by_source, writer, report, prune, progress)
         except BaseException:
@@ -184,20 +188,21 @@ def plan(result: FileResult, stored: dict[str, StoredDocument], chunker: Callabl
 
 
 @contextlib.contextmanager
-def file_preparers(files: list[tuple[Path, str]], settings: Settings, prepare: Callable[[Path, str], FileResult],
+def file_preparers(files: list[tuple[Path, str]], settings: Settings,
+                   prepare: tuple[Callable[[Path, str], FileResult], Callable[[FileResult], FileResult]],
                    prepare_apart: Callable[[Path, str], tuple[Any, ...]],
                    unchanged: Callable[[Path, str], FileResult | None], chunker: Callable[[], Chunker],
                    waited: Callable[[], AbstractContextManager[Any]]) -> Iterator[tuple[Any, int]]:
     """``(submit, depth)``: ``submit(path, rel)`` starts loading and chunking a file and returns its future;
-    ``depth`` files are kept in progress. One worker thread, or, for a large enough run, ``chunk_processes()``
-    processes, which are given only the stored documents of the file's own source. A file stored unchanged
-    (``unchanged``, one hash here) needs none of them: the processes start with the first file that changed, each
-    given this process's ``chunker`` (a tokenizer, without the encoder or torch to import). ``waited`` times the
-    wait for a large file's later blocks."""
+    ``depth`` files are kept in progress. One worker thread (``prepare``: load a file, plan its documents), or, for
+    a large enough run, ``chunk_processes()`` processes, which are given only the stored documents of the file's own
+    source. A file stored unchanged (``unchanged``, one hash here) needs none of them: the processes start with the
+    first file that changed, each given this process's ``chunker`` (a tokenizer, without the encoder or torch to
+    import). Either way a large file is planned in blocks. ``waited`` times the wait for its later blocks."""
     workers = settings.ingest.chunk_processes() if _bytes(files) >= PROCESSES_FROM_BYTES else 0
     if not workers:
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="ingest-load") as thread:
-            yield (lambda path, rel: thread.submit(prepare, path, rel)), settings.ingest.prefetch_files
+            yield functools.partial(_submit_to_thread, thread, *prepare, waited), settings.ingest.prefetch_files
         return
     with contextlib.ExitStack() as stack:
         started: list[ProcessPoolExecutor] = []
@@ -221,6 +226,29 @@ def file_preparers(files: list[tuple[Path, str]], settings: Settings, prepare: C
             return Joined([pool().submit(work, part, parts) for part in range(parts)], waited)
 
         yield submit, max(settings.ingest.prefetch_files, 2 * workers)
+
+
+def _submit_to_thread(thread: ThreadPoolExecutor, loaded: Callable[[Path, str], FileResult],
+                      planned: Callable[[FileResult], FileResult], waited: Callable[[], AbstractContextManager[Any]],
+                      path: Path, rel: str) -> Future[FileResult] | Joined:
+    """A file loaded and planned on the loading thread; a large one loaded once, then planned block by block (the
+    thread runs them in order), so that its first documents are embedded while the thread chunks the rest."""
+    size = _bytes([(path, rel)])
+    if size < SLICE_FROM_BYTES:
+        return thread.submit(lambda: planned(loaded(path, rel)))
+    whole = thread.submit(loaded, path, rel)
+    parts = math.ceil(size / BLOCK_BYTES)
+    return Joined([thread.submit(_planned_block, whole, planned, part, parts) for part in range(parts)], waited)
+
+
+def _planned_block(whole: Future[FileResult], planned: Callable[[FileResult], FileResult], part: int,
+                   parts: int) -> FileResult:
+    loaded = whole.result()
+    if loaded.error is not None or loaded.skipped_unchanged:
+        return loaded
+    count = len(loaded.documents)
+    return planned(dataclasses.replace(loaded, documents=loaded.documents[count * part // parts:
+                                                                        count * (part + 1) // parts]))
 
 
 class Joined:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -41,6 +41,7 @@ class ChunkWriter:
         self.vectors: dict[str, np.ndarray] = {}  # content hash -> embedding, this run and re-used stored ones
         self.buffer: list[tuple[str, Chunk, dict[str, Any]]] = []
         self.pending: dict[str, _Pending] = {}
+        self.metadata_changes: list[tuple[list[str], dict[str, Any] | None]] = []  # queued by relabel, record_size
         # Chroma's writes run on a thread of their own, so the encoder embeds the next batch meanwhile.
         self._writes = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ingest-write")
         self._in_flight: tuple[Future[None], list[tuple[str, Chunk, dict[str, Any]]]] | None = None
@@ -68,12 +69,13 @@ class ChunkWriter:
                 self.vectors.setdefault(meta["content_hash"], np.asarray(vector, dtype=np.float32))
 
     def flush(self) -> None:
-        """Write everything buffered, in writes of at most ``batch`` rows (one document may be far larger), and
-        wait until the last write is stored."""
+        """Write everything buffered, in writes of at most ``batch`` rows (one document may be far larger), wait
+        until the last write is stored, then write the queued metadata changes."""
         buffered, self.buffer = self.buffer, []
         for batch in self._batches(buffered):
             self._write(batch)
         self._settled()
+        self._write_metadata()
 
     def close(self) -> None:
         """Wait for the write in flight (its error, if any, is raised) and stop the writing thread."""
@@ -153,33 +155,46 @@ class ChunkWriter:
 
     def relabel(self, ids: list[str], file_hash: str, source: str) -> None:
         """Record a new file (its hash, its path) on chunks whose content did not change: a record moved to
-        another file, or its file changed elsewhere (a metadata-only write)."""
-        self._update_metadata(ids, {"file_hash": file_hash, "source": source})
+        another file, or its file changed elsewhere (a metadata-only write, batched)."""
+        self._queue_metadata(ids, {"file_hash": file_hash, "source": source})
 
     def record_size(self, ids: list[str]) -> None:
         """Record a file's size (``parent_chars``: its chunks' characters, as ``add_document`` counts them) on
         its chunks, written before ingest recorded it: the service then reads a window of a big file alone.
-        Once per such file, a metadata-only write."""
+        Once per such file, a metadata-only write, batched."""
+        self._queue_metadata(ids, None)
+
+    def _queue_metadata(self, ids: list[str], changes: dict[str, Any] | None) -> None:
+        """Chroma's cost is mostly per call, and these come a document (a chunk or two) at a time: they are
+        written ``batch`` chunks at a time, by ``flush``. ``None`` stands for the size of the chunks' file."""
         if self.dry_run:
             return
-        self._settled()
-        stored = [self.collection.get(ids=batch, include=["documents", "metadatas"]) for batch in self._batches(ids)]
-        chars = sum(len(text) for rows in stored for text in rows["documents"])
-        self._write_metadata(stored, {"parent_chars": chars}, len(ids))
+        self.metadata_changes.append((ids, changes))
+        if sum(len(group) for group, _ in self.metadata_changes) >= self.batch:
+            self._write_metadata()
 
-    def _update_metadata(self, ids: list[str], changes: dict[str, Any]) -> None:
-        if self.dry_run:
+    def _write_metadata(self) -> None:
+        """The queued metadata changes, each merged into its rows as stored: one read and one write per batch."""
+        queued, self.metadata_changes = self.metadata_changes, []
+        if not queued:
             return
         self._settled()
-        batches = (self.collection.get(ids=batch, include=["metadatas"]) for batch in self._batches(ids))
-        self._write_metadata(batches, changes, len(ids))
-
-    def _write_metadata(self, stored: Iterable[dict[str, Any]], changes: dict[str, Any], count: int) -> None:
-        """``changes`` on each batch of ``stored`` rows (read batch by batch as they are written, where lazy)."""
         self._changing()
-        for rows in stored:
-            self.collection.update(ids=rows["ids"], metadatas=[meta | changes for meta in rows["metadatas"]])
-        self.report.chunks_relabeled += count
+        with_text = any(changes is None for _, changes in queued)
+        stored: dict[str, tuple[dict[str, Any], str]] = {}
+        for batch in self._batches([chunk_id for group, _ in queued for chunk_id in group]):
+            rows = self.collection.get(ids=batch, include=["metadatas", "documents"] if with_text else ["metadatas"])
+            stored.update(zip(rows["ids"], zip(rows["metadatas"], rows["documents"] or [""] * len(rows["ids"]))))
+        merged: dict[str, dict[str, Any]] = {}
+        for group, changes in queued:
+            found = [chunk_id for chunk_id in group if chunk_id in stored]
+            if changes is None:
+                changes = {"parent_chars": sum(len(stored[chunk_id][1]) for chunk_id in found)}
+            for chunk_id in found:
+                merged[chunk_id] = merged.get(chunk_id, stored[chunk_id][0]) | changes
+            self.report.chunks_relabeled += len(group)
+        for batch in self._batches(list(merged)):
+            self.collection.update(ids=batch, metadatas=[merged[chunk_id] for chunk_id in batch])
 
     def delete_documents(self, ids_by_doc: dict[str, list[str]]) -> None:
         self._settled()

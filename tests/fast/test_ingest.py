@@ -76,6 +76,51 @@ def test_a_rerun_takes_what_is_stored_from_the_last_runs_record_and_never_a_stal
     assert inventory.stored_documents(collection_of(settings, embedder), settings.chroma) == from_rows
 
 
+def test_a_large_file_on_one_thread_is_planned_in_blocks_and_stored_as_planned_whole(
+        tmp_path, settings_factory, embedder, monkeypatch):
+    """On a small machine (one loading thread) a large jsonl file is loaded once and planned a block of its
+    records at a time, so writing starts before it is all chunked: the rows are those of the file planned whole."""
+    import ingest.pipeline
+
+    corpus = write_corpus(tmp_path / "corpus")
+    whole, blocks = settings_factory(path=tmp_path / "whole"), settings_factory(path=tmp_path / "blocks")
+    assert blocks.ingest.chunk_processes() == 0  # auto: one thread on this machine
+    run_ingest([corpus], whole, embedder)
+    planned: list[tuple[str, int]] = []
+    real_plan = ingest.pipeline.plan
+    monkeypatch.setattr(ingest.pipeline, "plan", lambda result, *a: planned.append(
+        (result.rel, len(result.documents))) or real_plan(result, *a))
+    monkeypatch.setattr(ingest.pipeline, "SLICE_FROM_BYTES", (corpus / "animals.jsonl").stat().st_size)
+    monkeypatch.setattr(ingest.pipeline, "BLOCK_BYTES", -(-(corpus / "animals.jsonl").stat().st_size // 2))
+    report = run_ingest([corpus], blocks, embedder)
+    assert report.files_added == 5 and snapshot(blocks, embedder) == snapshot(whole, embedder)
+    records = len((corpus / "animals.jsonl").read_text().splitlines())
+    assert [count for rel, count in planned if rel == "animals.jsonl"] == [records // 2, records - records // 2]
+
+
+def test_records_of_a_changed_file_are_relabelled_in_batched_writes(tmp_path, settings_factory, embedder,
+                                                                    monkeypatch):
+    """A record added to a jsonl file changes its hash on every stored record of it: their rows get the new hash
+    as metadata-only writes, a batch of rows a call (Chroma's cost is mostly per call), not one per record."""
+    from chromadb.api.models.Collection import Collection
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    lines = [json.dumps({"id": f"r{i}", "text": f"Record {i} is about lighthouse number {i}."}) for i in range(40)]
+    (corpus / "records.jsonl").write_text("\n".join(lines) + "\n")
+    settings = settings_factory()
+    run_ingest([corpus], settings, embedder)
+    (corpus / "records.jsonl").write_text("\n".join(lines) + "\n" + json.dumps({"id": "r40", "text": "One more."}))
+    updates: list[int] = []
+    real_update = Collection.update
+    monkeypatch.setattr(Collection, "update", lambda self, ids, **k: updates.append(len(ids)) or real_update(
+        self, ids=ids, **k))
+    report = run_ingest([corpus], settings, embedder)
+    assert report.chunks_relabeled == 40 and report.chunks_embedded == 1 and updates == [40]
+    hashes = {meta["file_hash"] for _, meta in snapshot(settings, embedder).values()}
+    assert len(hashes) == 1  # every row carries the file's new hash
+
+
 def test_an_unchanged_file_stored_before_its_size_was_recorded_gets_it_once(tmp_path, settings_factory, embedder):
     """Rows written before ingest recorded a file's size (``parent_chars``, what lets the service read a window of
     a big file alone) get it from the next run, as a metadata-only write: nothing re-embedded, the rows then as a
