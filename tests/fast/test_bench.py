@@ -191,3 +191,33 @@ def test_scale_runs_each_size_on_one_growing_store_with_the_real_app(tmp_path):
     assert set(large["retrieval"]["hybrid"]) >= {"load_s", "c1_ms", "c2_ms"}
     assert large["planning_s"] > 0 and large["app"]["ready_s"] > 0 and large["app"]["rss_mib"] > 100
     assert result["bytes_per_chunk"] is not None and out.with_suffix(".png").exists()
+
+
+def test_chroma_growth_copies_a_stores_rows_into_a_served_collection_and_measures_each_size(
+        tmp_path, settings_factory, embedder):
+    """bench.chroma_growth at a tiny size: an ingested store's rows copied (vectors jittered) into a collection of
+    a real `chroma run` it starts, to each size in turn; queries timed at each concurrency; memory, disk, a plot."""
+    import json
+
+    import chromadb
+    import numpy as np
+
+    from bench.chroma_growth import main
+    from ingest.pipeline import run_ingest
+    from tests.support.fixtures_docs import write_corpus
+
+    settings = settings_factory(path=tmp_path / "source")
+    run_ingest([write_corpus(tmp_path / "corpus")], settings, embedder)
+    out = tmp_path / "growth.json"
+    assert main(["--from-chroma", str(settings.chroma.path), "--from-collection", settings.chroma.collection,
+                 "--sizes", "600,300", "--concurrency", "1,2", "--queries", "8", "--work", str(tmp_path / "work"),
+                 "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["store"] == "chroma run" and [step["rows"] for step in result["steps"]] == [300, 600]
+    for step in result["steps"]:
+        assert step["writes_per_s"] > 0 and step["resident_mib"] > 50 and step["disk_mib"] > 0
+        assert set(step["queries"]) == {"c1", "c2"} and all(cell["p50"] > 0 for cell in step["queries"].values())
+    grown = chromadb.PersistentClient(str(tmp_path / "work" / "store")).get_collection("growth")
+    rows = grown.get(ids=["grown-0", "grown-599"], include=["embeddings", "metadatas"])
+    assert grown.count() == 600 and len(rows["ids"]) == 2 and rows["metadatas"][0]["doc_id"]
+    assert abs(float(np.linalg.norm(rows["embeddings"][0])) - 1) < 1e-3 and out.with_suffix(".png").exists()

@@ -1,0 +1,200 @@
+"""Where one Chroma stops: a collection grown past what this machine can embed, measured at each size.
+
+The rows come from a store that ingest made (``--from-chroma``, e.g. ``bench.scale``'s work store): their texts and
+metadata as they are, their vectors jittered (seeded Gaussian noise, renormalised), under new ids, copied again
+until each ``--sizes`` is reached. So the rows are what the service stores (15 metadata keys, real chunk texts)
+and the vectors keep the real ones' clusters, without an encoder's hours. Into a collection made as ingest makes
+it, of a ``chroma run`` server started here (or on disk with ``--on-disk``), it measures at each size:
+
+- **writes**: rows/s of the upserts that grew it, in ingest's write batches;
+- **queries**: the service's dense query (k results with texts, metadata and distances), vectors of stored rows
+  jittered, at each ``--concurrency`` (threads, a client each): p50/p95/p99 ms and queries/s;
+- **memory and disk**: the server's resident memory (this process's with ``--on-disk``) and the store's bytes.
+
+    python -m bench.chroma_growth --from-chroma /tmp/bs-work/chroma --from-collection scale \\
+        --sizes 50000,100000,200000 --out bench/results/chroma-growth-cpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from bench.common import command_line, environment, write_json
+from bench.stats import ms_summary
+
+WRITE_BATCH = 256  # ingest's default write batch
+JITTER = 0.05  # noise per dimension before renormalising: copies stay near their source, not on it
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m bench.chroma_growth", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--from-chroma", type=Path, required=True, help="an on-disk store ingest made: the rows")
+    parser.add_argument("--from-collection", default="docs", help="its collection (default %(default)s)")
+    parser.add_argument("--sizes", default="20000,50000", help="rows per step, comma-separated (default %(default)s)")
+    parser.add_argument("--concurrency", default="1,4,16", help="queries in flight, comma-separated "
+                                                                "(default %(default)s)")
+    parser.add_argument("--queries", type=int, default=400, help="queries per concurrency and size")
+    parser.add_argument("--k", type=int, default=5, help="results per query (default %(default)s)")
+    parser.add_argument("--on-disk", action="store_true", help="grow an on-disk store instead of a `chroma run` server")
+    parser.add_argument("--work", type=Path, default=Path("data/bench-chroma-growth"),
+                        help="the grown store (emptied first; default %(default)s)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=Path("bench/results/chroma-growth.json"), help="JSON output")
+    return parser.parse_args(argv)
+
+
+def source_rows(path: Path, collection: str) -> dict[str, Any]:
+    """Every row of the source store: vectors (float32), texts, metadata."""
+    from app.core.settings import ChromaSettings
+    from app.core.store import all_rows, open_client
+
+    source = open_client(ChromaSettings(path=path, collection=collection), create=False).get_collection(
+        collection, embedding_function=None)
+    rows: dict[str, list[Any]] = {"embeddings": [], "documents": [], "metadatas": []}
+    for page in all_rows(source, list(rows)):
+        for key in rows:
+            rows[key].extend(page[key])
+    return {"vectors": np.asarray(rows["embeddings"], dtype=np.float32), "documents": rows["documents"],
+            "metadatas": rows["metadatas"]}
+
+
+def jittered(vectors: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    noisy = vectors + rng.normal(0.0, JITTER, vectors.shape).astype(np.float32)
+    return noisy / np.linalg.norm(noisy, axis=1, keepdims=True)
+
+
+def copies(source: dict[str, Any], start: int, stop: int, rng: np.random.Generator) -> Iterator[dict[str, Any]]:
+    """Rows ``start``..``stop`` of the grown collection, a write batch at a time: row n is source row n mod size."""
+    size = len(source["documents"])
+    for first in range(start, stop, WRITE_BATCH):
+        picks = [n % size for n in range(first, min(first + WRITE_BATCH, stop))]
+        yield {"ids": [f"grown-{first + i}" for i in range(len(picks))],
+               "embeddings": jittered(source["vectors"][picks], rng),
+               "documents": [source["documents"][p] for p in picks],
+               "metadatas": [source["metadatas"][p] for p in picks]}
+
+
+def grow(collection: Any, source: dict[str, Any], start: int, stop: int, rng: np.random.Generator) -> float:
+    """Rows/s of the upserts from ``start`` to ``stop``."""
+    began = time.perf_counter()
+    for batch in copies(source, start, stop, rng):
+        collection.upsert(**batch)
+    return (stop - start) / (time.perf_counter() - began)
+
+
+def query_latency(open_collection: Any, source: dict[str, Any], concurrency: int, queries: int, k: int,
+                  rng: np.random.Generator) -> dict[str, Any]:
+    """The service's dense query, ``queries`` of them ``concurrency`` at a time, a client per thread."""
+    asked = jittered(source["vectors"][rng.integers(0, len(source["vectors"]), queries)], rng)
+    handles = [open_collection() for _ in range(concurrency)]
+
+    def ask(n: int, handle: Any = None) -> float:
+        began = time.perf_counter()
+        (handle or handles[n % concurrency]).query(query_embeddings=[asked[n].tolist()], n_results=k,
+                                                   include=["documents", "metadatas", "distances"])
+        return time.perf_counter() - began
+
+    for handle in handles:  # each client's first query (its connection, the index's load) is not timed
+        ask(0, handle)
+    began = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=concurrency) as pool:
+        times = list(pool.map(ask, range(queries)))
+    return ms_summary(times) | {"queries_per_s": round(queries / (time.perf_counter() - began), 1)}
+
+
+def resident_mib(pid: int) -> float:
+    """A process's resident memory with its children's (``chroma run`` may serve from a child)."""
+    import psutil
+
+    process = psutil.Process(pid)
+    return round(sum(p.memory_info().rss for p in [process, *process.children(recursive=True)]) / 2**20, 1)
+
+
+def disk_mib(path: Path) -> float:
+    return round(sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) / 2**20, 1)
+
+
+def measure(args: argparse.Namespace, argv: list[str] | None, settings: Any, server_pid: int,
+            store: Path) -> dict[str, Any]:
+    from app.core.store import open_client
+
+    rng = np.random.default_rng(args.seed)
+    source = source_rows(args.from_chroma, args.from_collection)
+    client = open_client(settings)
+    collection = client.create_collection(settings.collection, configuration={"hnsw": {"space": "cosine"}},
+                                          embedding_function=None)
+
+    def handle() -> Any:
+        return open_client(settings).get_collection(settings.collection, embedding_function=None)
+
+    result: dict[str, Any] = {"source_rows": len(source["documents"]), "store": "on disk" if args.on_disk
+                              else "chroma run", "k": args.k, "steps": [],
+                              "command": command_line("bench.chroma_growth", argv), "environment": environment()}
+    grown = 0
+    for size in sorted(int(n) for n in args.sizes.split(",")):
+        step: dict[str, Any] = {"rows": size, "writes_per_s": round(grow(collection, source, grown, size, rng), 1)}
+        grown = size
+        step["queries"] = {f"c{c}": query_latency(handle, source, c, args.queries, args.k, rng)
+                           for c in (int(n) for n in args.concurrency.split(","))}
+        step |= {"resident_mib": resident_mib(server_pid), "disk_mib": disk_mib(store)}
+        result["steps"].append(step)
+        write_json(args.out, result)  # after every size: a run stopped later keeps what it measured
+        print(f"{size} rows: {step}", flush=True)
+    return result
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [step["rows"] for step in result["steps"]]
+    figure, (latency, memory) = plt.subplots(1, 2, figsize=(11, 4))
+    for key in result["steps"][0]["queries"]:
+        latency.plot(rows, [step["queries"][key]["p95"] for step in result["steps"]], "o-", label=f"p95, {key}")
+    latency.set(xlabel="rows", ylabel="dense query ms", title=f"one Chroma ({result['store']})")
+    latency.legend()
+    memory.plot(rows, [step["resident_mib"] for step in result["steps"]], "o-", label="resident MiB")
+    memory.plot(rows, [step["disk_mib"] for step in result["steps"]], "s--", label="disk MiB")
+    memory.set(xlabel="rows", title="memory and disk")
+    memory.legend()
+    figure.tight_layout()
+    figure.savefig(path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from app.core.settings import ChromaSettings
+    from app.vllm.process import chroma_child, free_port
+
+    args = parse_args(argv)
+    shutil.rmtree(args.work, ignore_errors=True)
+    args.work.mkdir(parents=True)
+    store = args.work / "store"
+    if args.on_disk:
+        result = measure(args, argv, ChromaSettings(path=store, collection="growth"), os.getpid(), store)
+    else:
+        port = free_port()
+        server = chroma_child(store, port, args.work / "server.log").start()
+        try:
+            server.wait_for(f"http://127.0.0.1:{port}/api/v2/heartbeat", 60)
+            settings = ChromaSettings(url=f"http://127.0.0.1:{port}", collection="growth")
+            result = measure(args, argv, settings, server.pid, store)
+        finally:
+            server.stop(20)
+    plot(result, args.out.with_suffix(".png"))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
