@@ -164,6 +164,7 @@ def test_sigterm_drains_then_ends_each_stream_with_a_terminal_event_and_exits_le
     finally:
         app.kill()
         output = app.communicate()[0]
+        print(f"streams ended: {ends}\nthe app's log:\n{output[-6000:]}")  # shown by pytest if a wait above failed
     assert app.returncode in (0, -signal.SIGTERM), output  # uvicorn re-raises the signal once it has shut down
     # Streams end 2 s before the drain time is over; the rest is teardown, on 2 cores vLLM keeps busy (and keeps
     # everything from running at times: that time is not the app's).
