@@ -116,8 +116,9 @@ def resident_mib(pid: int) -> float:
     """A process's resident memory with its children's (``chroma run`` may serve from a child)."""
     import psutil
 
-    process = psutil.Process(pid)
-    return round(sum(p.memory_info().rss for p in [process, *process.children(recursive=True)]) / 2**20, 1)
+    from bench.scale_stack import rss_mib
+
+    return rss_mib(psutil.Process(pid))
 
 
 def disk_mib(path: Path) -> float:

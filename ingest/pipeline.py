@@ -246,9 +246,7 @@ def _planned_block(whole: Future[FileResult], planned: Callable[[FileResult], Fi
     loaded = whole.result()
     if loaded.error is not None or loaded.skipped_unchanged:
         return loaded
-    count = len(loaded.documents)
-    return planned(dataclasses.replace(loaded, documents=loaded.documents[count * part // parts:
-                                                                        count * (part + 1) // parts]))
+    return planned(dataclasses.replace(loaded, documents=_block(loaded.documents, part, parts)))
 
 
 class Joined:
@@ -294,9 +292,14 @@ def prepare_in_worker(path: Path, rel: str, settings: Settings, identity: str,
     chunker = _worker_chunker
     assert chunker is not None, "a chunking process starts with the parent's chunker (_adopt)"
     loaded = load(path, rel, settings, identity, by_source)
-    count = len(loaded.documents)
-    loaded.documents = loaded.documents[count * part // parts:count * (part + 1) // parts]
+    loaded.documents = _block(loaded.documents, part, parts)
     return plan(loaded, stored, lambda: chunker, identity)
+
+
+def _block(documents: list[Any], part: int, parts: int) -> list[Any]:
+    """Block ``part`` of ``parts`` of a file's documents, in file order."""
+    count = len(documents)
+    return documents[count * part // parts:count * (part + 1) // parts]
 
 
 def prefetched(items: list[Any], submit: Callable[..., Any], depth: int, report: IngestReport) -> Any:
