@@ -11,6 +11,10 @@ it, of a ``chroma run`` server started here (or on disk with ``--on-disk``), it 
   jittered, at each ``--concurrency`` (threads, a client each): p50/p95/p99 ms and queries/s;
 - **memory and disk**: the server's resident memory (this process's with ``--on-disk``) and the store's bytes.
 
+With ``--write-parts N``, first: rows/s of N such rows written into fresh collections with less of each row (the
+vectors alone; with their metadata; with their texts too, as ingest writes), and once more with a schema that turns
+the texts' full-text index off (the service never searches Chroma's full text): what a write costs, by part.
+
     python -m bench.chroma_growth --from-chroma /tmp/bs-work/chroma --from-collection scale \\
         --sizes 50000,100000,200000 --out bench/results/chroma-growth-cpu.json
 """
@@ -32,6 +36,9 @@ from bench.common import command_line, environment, write_json
 from bench.stats import ms_summary
 
 WRITE_BATCH = 256  # ingest's default write batch
+PARTS = {"vectors": ("embeddings",), "vectors, metadata": ("embeddings", "metadatas"),
+         "vectors, metadata, texts": ("embeddings", "metadatas", "documents")}
+NO_FULL_TEXT = "vectors, metadata, texts; full-text index off in the schema"
 JITTER = 0.05  # noise per dimension before renormalising: copies stay near their source, not on it
 
 
@@ -45,6 +52,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                                                 "(default %(default)s)")
     parser.add_argument("--queries", type=int, default=400, help="queries per concurrency and size")
     parser.add_argument("--k", type=int, default=5, help="results per query (default %(default)s)")
+    parser.add_argument("--write-parts", type=int, default=0, metavar="N",
+                        help="first time writes of N rows by part of the row (0: not measured; default %(default)s)")
     parser.add_argument("--on-disk", action="store_true", help="grow an on-disk store instead of a `chroma run` server")
     parser.add_argument("--work", type=Path, default=Path("data/bench-chroma-growth"),
                         help="the grown store (emptied first; default %(default)s)")
@@ -90,6 +99,28 @@ def grow(collection: Any, source: dict[str, Any], start: int, stop: int, rng: np
     for batch in copies(source, start, stop, rng):
         collection.upsert(**batch)
     return (stop - start) / (time.perf_counter() - began)
+
+
+def write_parts(client: Any, source: dict[str, Any], rows: int, rng: np.random.Generator) -> dict[str, float]:
+    """Rows/s of ``rows`` rows upserted into a fresh collection for each of ``PARTS`` (the fields written), and
+    with every field under a schema whose full-text index on the texts is off (``NO_FULL_TEXT``)."""
+    from chromadb.api.types import FtsIndexConfig, Schema, VectorIndexConfig
+
+    batches = list(copies(source, 0, rows, rng))  # made before the clock starts: only the writes are timed
+    no_full_text = Schema().delete_index(FtsIndexConfig(), key="#document").create_index(
+        VectorIndexConfig(space="cosine"))
+    plans: list[tuple[str, tuple[str, ...], dict[str, Any]]] = [
+        (name, fields, {"configuration": {"hnsw": {"space": "cosine"}}}) for name, fields in PARTS.items()]
+    plans.append((NO_FULL_TEXT, PARTS["vectors, metadata, texts"], {"schema": no_full_text}))
+    rates: dict[str, float] = {}
+    for number, (name, fields, made_with) in enumerate(plans):
+        collection = client.create_collection(f"parts-{number}", embedding_function=None, **made_with)
+        began = time.perf_counter()
+        for batch in batches:
+            collection.upsert(ids=batch["ids"], **{field: batch[field] for field in fields})
+        rates[name] = round(rows / (time.perf_counter() - began), 1)
+        client.delete_collection(f"parts-{number}")
+    return rates
 
 
 def query_latency(open_collection: Any, source: dict[str, Any], concurrency: int, queries: int, k: int,
@@ -141,6 +172,10 @@ def measure(args: argparse.Namespace, argv: list[str] | None, settings: Any, ser
     result: dict[str, Any] = {"source_rows": len(source["documents"]), "store": "on disk" if args.on_disk
                               else "chroma run", "k": args.k, "steps": [],
                               "command": command_line("bench.chroma_growth", argv), "environment": environment()}
+    if args.write_parts:
+        result["write_parts"] = {"rows": args.write_parts,
+                                 "rows_per_s": write_parts(client, source, args.write_parts, rng)}
+        print(f"writes by part: {result['write_parts']}", flush=True)
     grown = 0
     for size in sorted(int(n) for n in args.sizes.split(",")):
         step: dict[str, Any] = {"rows": size, "writes_per_s": round(grow(collection, source, grown, size, rng), 1)}

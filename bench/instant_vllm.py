@@ -6,7 +6,8 @@ instrument, never a test's: vLLM's real counters, scheduling and tokenizer are w
 It serves what the app reads of vLLM: ``/v1/models``, ``/metrics`` (the cache config and counters the app and
 the benchmark read), ``/tokenize`` (four characters a token; with ``--tokenizer DIR`` that tokenizer's ids of the
 rendered chat, and DIR as the served model's root, so the app's token-id prompts engage as against a real vLLM),
-``/v1/chat/completions`` and ``/v1/completions``, streamed or not, ``--tokens`` answer tokens each. Written on
+``/v1/chat/completions`` and ``/v1/completions``, streamed or not, ``--tokens`` answer tokens each, and
+``/reset_prefix_cache`` (a no-op) for the benchmarks that reset between modes. Written on
 aiohttp (vLLM's own dependency), one process, so that it costs far less per answer than the app it measures."""
 
 from __future__ import annotations
@@ -92,13 +93,17 @@ def build(tokens: int, max_model_len: int, kv_tokens: int, tokenizer_dir: str | 
     async def health(_: web.Request) -> web.Response:
         return web.Response(text="")
 
+    async def reset(_: web.Request) -> web.Response:  # nothing is cached: a reset has nothing to drop
+        return web.Response(text="")
+
     async def missing(_: web.Request) -> web.Response:
         return web.json_response({"error": {"message": "not served"}}, status=404)
 
     app = web.Application()
     app.add_routes([web.get("/v1/models", models), web.get("/metrics", metrics), web.post("/tokenize", tokenize),
                     web.post("/v1/chat/completions", generate), web.post("/v1/completions", generate),
-                    web.get("/health", health), web.get("/tokenizer_info", missing)])
+                    web.get("/health", health), web.post("/reset_prefix_cache", reset),
+                    web.get("/tokenizer_info", missing)])
     return app
 
 

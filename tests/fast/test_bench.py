@@ -196,7 +196,8 @@ def test_scale_runs_each_size_on_one_growing_store_with_the_real_app(tmp_path):
 def test_chroma_growth_copies_a_stores_rows_into_a_served_collection_and_measures_each_size(
         tmp_path, settings_factory, embedder):
     """bench.chroma_growth at a tiny size: an ingested store's rows copied (vectors jittered) into a collection of
-    a real `chroma run` it starts, to each size in turn; queries timed at each concurrency; memory, disk, a plot."""
+    a real `chroma run` it starts, to each size in turn; queries timed at each concurrency; memory, disk, a plot;
+    writes timed by part of the row first, each part set in a collection of its own, dropped after."""
     import json
 
     import chromadb
@@ -211,13 +212,17 @@ def test_chroma_growth_copies_a_stores_rows_into_a_served_collection_and_measure
     out = tmp_path / "growth.json"
     assert main(["--from-chroma", str(settings.chroma.path), "--from-collection", settings.chroma.collection,
                  "--sizes", "600,300", "--concurrency", "1,2", "--queries", "8", "--work", str(tmp_path / "work"),
-                 "--out", str(out)]) == 0
+                 "--write-parts", "300", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
     assert result["store"] == "chroma run" and [step["rows"] for step in result["steps"]] == [300, 600]
+    assert result["write_parts"]["rows"] == 300 and len(result["write_parts"]["rows_per_s"]) == 4
+    assert all(rate > 0 for rate in result["write_parts"]["rows_per_s"].values())
     for step in result["steps"]:
         assert step["writes_per_s"] > 0 and step["resident_mib"] > 50 and step["disk_mib"] > 0
         assert set(step["queries"]) == {"c1", "c2"} and all(cell["p50"] > 0 for cell in step["queries"].values())
-    grown = chromadb.PersistentClient(str(tmp_path / "work" / "store")).get_collection("growth")
+    store = chromadb.PersistentClient(str(tmp_path / "work" / "store"))
+    assert [collection.name for collection in store.list_collections()] == ["growth"]  # the parts' dropped
+    grown = store.get_collection("growth")
     rows = grown.get(ids=["grown-0", "grown-599"], include=["embeddings", "metadatas"])
     assert grown.count() == 600 and len(rows["ids"]) == 2 and rows["metadatas"][0]["doc_id"]
     assert abs(float(np.linalg.norm(rows["embeddings"][0])) - 1) < 1e-3 and out.with_suffix(".png").exists()
