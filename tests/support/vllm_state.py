@@ -30,13 +30,18 @@ def vllm_counters(vllm_url: str) -> tuple[float, float]:
 
 
 def wait_until(predicate, timeout: float, what: str) -> float:
-    """Seconds until ``predicate()`` held; fails after ``timeout``."""
-    started = time.monotonic()
-    while not predicate():
+    """Seconds until ``predicate()`` held; fails after ``timeout``, saying how many times it was checked and the
+    longest check (a check that hangs, e.g. a /metrics read vLLM answers late, is not a condition that never held)."""
+    started, checks, longest = time.monotonic(), 0, 0.0
+    while True:
+        began = time.monotonic()
+        held = predicate()
+        checks, longest = checks + 1, max(longest, time.monotonic() - began)
+        if held:
+            return time.monotonic() - started
         if time.monotonic() - started > timeout:
-            raise AssertionError(f"{what}: not within {timeout} s")
+            raise AssertionError(f"{what}: not within {timeout} s ({checks} checks, the longest {longest:.1f} s)")
         time.sleep(0.1)
-    return time.monotonic() - started
 
 
 class MachineStalls:
