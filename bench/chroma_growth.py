@@ -106,11 +106,13 @@ def write_parts(client: Any, source: dict[str, Any], rows: int, rng: np.random.G
     with every field under a schema whose full-text index on the texts is off (``NO_FULL_TEXT``)."""
     from chromadb.api.types import FtsIndexConfig, Schema, VectorIndexConfig
 
+    from app.core.store import CONFIGURATION, SPACE
+
     batches = list(copies(source, 0, rows, rng))  # made before the clock starts: only the writes are timed
     no_full_text = Schema().delete_index(FtsIndexConfig(), key="#document").create_index(
-        VectorIndexConfig(space="cosine"))
+        VectorIndexConfig(space=SPACE))
     plans: list[tuple[str, tuple[str, ...], dict[str, Any]]] = [
-        (name, fields, {"configuration": {"hnsw": {"space": "cosine"}}}) for name, fields in PARTS.items()]
+        (name, fields, {"configuration": CONFIGURATION}) for name, fields in PARTS.items()]
     plans.append((NO_FULL_TEXT, PARTS["vectors, metadata, texts"], {"schema": no_full_text}))
     rates: dict[str, float] = {}
     for number, (name, fields, made_with) in enumerate(plans):
@@ -158,12 +160,12 @@ def disk_mib(path: Path) -> float:
 
 def measure(args: argparse.Namespace, argv: list[str] | None, settings: Any, server_pid: int,
             store: Path) -> dict[str, Any]:
-    from app.core.store import open_client
+    from app.core.store import CONFIGURATION, open_client
 
     rng = np.random.default_rng(args.seed)
     source = source_rows(args.from_chroma, args.from_collection)
     client = open_client(settings)
-    collection = client.create_collection(settings.collection, configuration={"hnsw": {"space": "cosine"}},
+    collection = client.create_collection(settings.collection, configuration=CONFIGURATION,
                                           embedding_function=None)
 
     def handle() -> Any:

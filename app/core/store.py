@@ -30,6 +30,8 @@ FIRST_RUN_RUNNING = "\0first ingest running"  # read_generation's answer meanwhi
 # end stamps one without it: services drop what they read of the rows at the first, reload at the second.
 WRITING = "writing:"
 LOCK_FILE = ".prefixrag-ingest.lock"
+SPACE = "cosine"  # the vector index's distance: the encoders' vectors are compared by angle
+CONFIGURATION = {"hnsw": {"space": SPACE}}  # how ingest creates a collection (benchmarks make theirs the same way)
 
 
 class StoreError(Exception):
@@ -86,7 +88,7 @@ def open_collection(cfg: ChromaSettings, embedder: Embedder, create: bool) -> Co
             if not create or "does not exist" not in str(exc):
                 raise
             collection = client.get_or_create_collection(
-                cfg.collection, configuration={"hnsw": {"space": "cosine"}}, embedding_function=None,
+                cfg.collection, configuration=CONFIGURATION, embedding_function=None,
                 metadata={"embedder": embedder_name, "dimension": embedder.dimension, FIRST_RUN_KEY: "running"},
             )
     except Exception as exc:
