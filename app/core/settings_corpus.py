@@ -10,6 +10,7 @@ from typing import Literal
 from pydantic import BaseModel, Field, field_validator, model_validator
 
 PACKAGED_EMBEDDER = "packaged:all-MiniLM-L6-v2"
+WRITE_PROCESS_FROM_BYTES = 4_000_000  # an ingest run of at least this much makes its Chroma calls in a process
 
 
 class ChromaSettings(BaseModel):
@@ -141,6 +142,9 @@ class IngestSettings(BaseModel):
     chunk_workers: int | Literal["auto"] = Field(
         "auto", description="Processes that load and chunk files beside the encoder (0: one thread of this process; "
         "auto: none below 8 cores, else a quarter of them, at most 8).")
+    write_process: bool | Literal["auto"] = Field(
+        "auto", description="Chroma's calls in a process of their own beside the encoder (auto: for runs of at "
+        "least 4 MB of files; false: on a thread of the ingesting process).")
 
     @field_validator("chunk_workers")
     @classmethod
@@ -148,6 +152,12 @@ class IngestSettings(BaseModel):
         if isinstance(value, int) and value < 0:
             raise ValueError("chunk_workers must be 0 or more (or 'auto')")
         return value
+
+    def write_apart(self, run_bytes: int) -> bool:
+        """Whether a run of ``run_bytes`` of files makes its Chroma calls in a process of its own: Chroma holds the
+        interpreter's lock through a write, which on a thread makes the encoder wait; a process costs a second or
+        two to start, worth it where writes add up."""
+        return self.write_process if self.write_process != "auto" else run_bytes >= WRITE_PROCESS_FROM_BYTES
 
     def chunk_processes(self) -> int:
         """How many chunking processes run: ``chunk_workers``, with 'auto' decided by the cores this process may

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import signal
@@ -9,6 +10,7 @@ import sqlite3
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -37,21 +39,48 @@ def stored_rows(db_path) -> int:
         return 0
 
 
-@pytest.mark.parametrize("files,paragraphs", [(40, 12), (1, 480)], ids=["many-files", "one-big-document"])
-def test_sigkill_mid_ingest_then_rerun_equals_clean_ingest(tmp_path, settings_factory, embedder, files, paragraphs):
+def live_children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` and that still run (not zombies)."""
+    children = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[1]) == pid and fields[0] != "Z":
+                children.append(int(stat.parent.name))
+    return children
+
+
+def gone(pids: list[int]) -> bool:
+    return not any(Path(f"/proc/{pid}").exists() and (Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1]
+                                                       .split()[0] != "Z") for pid in pids)
+
+
+@pytest.mark.parametrize("files,paragraphs,apart", [(40, 12, False), (1, 480, False), (40, 12, True)],
+                         ids=["many-files", "one-big-document", "many-files-writing-apart"])
+def test_sigkill_mid_ingest_then_rerun_equals_clean_ingest(tmp_path, settings_factory, embedder, files, paragraphs,
+                                                           apart):
+    """``apart``: Chroma's calls in a process of their own (``PREFIXRAG_INGEST__WRITE_PROCESS``), which must die
+    with the killed run, not write on behind its released lock."""
     corpus = write_big_corpus(tmp_path / "corpus", files, paragraphs)
     crashed, clean = settings_factory(path=tmp_path / "crashed"), settings_factory(path=tmp_path / "clean")
     process = subprocess.Popen(
         [sys.executable, "-m", "ingest", str(corpus), "--chroma-path", str(crashed.chroma.path),
          "--collection", crashed.chroma.collection], cwd=ROOT,
-        env=os.environ | {"PREFIXRAG_INGEST__WRITE_BATCH": "16"}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        env=os.environ | {"PREFIXRAG_INGEST__WRITE_BATCH": "16", "PREFIXRAG_INGEST__WRITE_PROCESS": str(apart)},
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 120
     while stored_rows(crashed.chroma.path / "chroma.sqlite3") < 48:
         assert process.poll() is None, f"ingest ended before it could be killed: {process.stderr.read()}"
         assert time.monotonic() < deadline
         time.sleep(0.05)
+    children = live_children(process.pid)
+    assert bool(children) == apart, children  # a thread writes, or a process (and multiprocessing's tracker)
     process.send_signal(signal.SIGKILL)
     process.wait()
+    deadline = time.monotonic() + 10
+    while not gone(children):
+        assert time.monotonic() < deadline, f"the killed run left processes behind: {live_children(1)}"
+        time.sleep(0.05)
     partial = len(snapshot(crashed, embedder))
     # Before any re-run, a service's lexical view (saved copy or rebuilt) is exactly what Chroma holds.
     from app.core import lexical
