@@ -14,6 +14,7 @@ import dataclasses
 import functools
 import math
 import multiprocessing
+import os
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
@@ -114,7 +115,7 @@ def run_ingest(roots: list[Path], settings: Settings, embedder: Any, *, prune: b
         if calls is not None and not dry_run:  # rebuilt only when the collection's stamp moved
             with report.timed("indexes"):
                 calls.call(partial(derived.save_current, cfg=settings.chroma, paging=settings.pages,
-                                   generation=final))
+                                   generation=final, threads=len(os.sched_getaffinity(0))))
         if final is not None:
             _call(calls, partial(mark_changed, run_ended=True, generation=final))
     report.seconds = round(time.perf_counter() - started, 3)

@@ -456,6 +456,7 @@ def test_chromas_calls_in_a_process_of_their_own_store_what_a_thread_stores(tmp_
     def both() -> None:
         reports = [vars(run_ingest([corpus], settings, embedder, prune=True)) | {"seconds": 0, "stages_s": {}}
                    for settings in (thread, process)]
+        assert [report.pop("chroma_process") for report in reports] == [False, True]
         assert reports[1] == reports[0]
         assert snapshot(process, embedder) == snapshot(thread, embedder)
         assert lexical_ids(process) == lexical_ids(thread) == set(snapshot(thread, embedder))
