@@ -50,9 +50,18 @@ def live_children(pid: int) -> list[int]:
     return children
 
 
-def gone(pids: list[int]) -> bool:
-    return not any(Path(f"/proc/{pid}").exists() and (Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1]
-                                                       .split()[0] != "Z") for pid in pids)
+def running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def wait_gone(pids: list[int], whose: str) -> None:
+    deadline = time.monotonic() + 10
+    while any(running(pid) for pid in pids):
+        assert time.monotonic() < deadline, f"{whose} left processes behind: {[p for p in pids if running(p)]}"
+        time.sleep(0.05)
 
 
 @pytest.mark.parametrize("files,paragraphs,apart", [(40, 12, False), (1, 480, False), (40, 12, True)],
@@ -77,10 +86,7 @@ def test_sigkill_mid_ingest_then_rerun_equals_clean_ingest(tmp_path, settings_fa
     assert bool(children) == apart, children  # a thread writes, or a process (and multiprocessing's tracker)
     process.send_signal(signal.SIGKILL)
     process.wait()
-    deadline = time.monotonic() + 10
-    while not gone(children):
-        assert time.monotonic() < deadline, f"the killed run left processes behind: {live_children(1)}"
-        time.sleep(0.05)
+    wait_gone(children, "the killed run")
     partial = len(snapshot(crashed, embedder))
     # Before any re-run, a service's lexical view (saved copy or rebuilt) is exactly what Chroma holds.
     from app.core import lexical
@@ -97,14 +103,19 @@ def test_sigkill_mid_ingest_then_rerun_equals_clean_ingest(tmp_path, settings_fa
     assert run_ingest([corpus], crashed, embedder).writes == 0
 
 
-def test_without_a_terminal_ingest_prints_progress_lines_and_ctrl_c_is_one_line(tmp_path, settings_factory, embedder):
+@pytest.mark.parametrize("apart", [False, True], ids=["thread", "writing-apart"])
+def test_without_a_terminal_ingest_prints_progress_lines_and_ctrl_c_is_one_line(tmp_path, settings_factory, embedder,
+                                                                                apart):
+    """``apart``: Chroma's calls in a process of their own, and Ctrl-C sent as a terminal sends it, to the whole
+    process group: that process lets the run stop it, after the write in flight, and says nothing."""
     corpus = write_big_corpus(tmp_path / "corpus")
     interrupted, clean = settings_factory(path=tmp_path / "interrupted"), settings_factory(path=tmp_path / "clean")
     process = subprocess.Popen(
         [sys.executable, "-m", "ingest", str(corpus), "--chroma-path", str(interrupted.chroma.path),
          "--collection", interrupted.chroma.collection], cwd=ROOT, text=True,
-        env=os.environ | {"PREFIXRAG_INGEST__WRITE_BATCH": "16", "PREFIXRAG_INGEST__PROGRESS_S": "0.01"},
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        env=os.environ | {"PREFIXRAG_INGEST__WRITE_BATCH": "16", "PREFIXRAG_INGEST__PROGRESS_S": "0.01",
+                          "PREFIXRAG_INGEST__WRITE_PROCESS": str(apart)},
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
         # A suite started in the background by a shell (`cmd &`) inherits SIGINT ignored, and so would ingest:
         # give it the default a terminal's Ctrl-C meets.
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
@@ -114,9 +125,11 @@ def test_without_a_terminal_ingest_prints_progress_lines_and_ctrl_c_is_one_line(
         assert line, "ingest ended before it printed progress"
         if line.startswith("ingest: "):
             progress.append(line)
-    process.send_signal(signal.SIGINT)
+    children = live_children(process.pid)
+    os.killpg(process.pid, signal.SIGINT)
     rest = process.stderr.read()
     assert process.wait(60) == 130
+    wait_gone(children, "the interrupted run")  # multiprocessing's tracker ends once it sees the run's end
     assert "files" in progress[0] and "chunks/s" in progress[0] and "ETA" in progress[0]
     assert "Traceback" not in rest and rest.strip().splitlines()[-1].startswith("interrupted after "), rest
     run_ingest([corpus], interrupted, embedder)
