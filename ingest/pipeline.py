@@ -115,7 +115,7 @@ def run_ingest(roots: list[Path], settings: Settings, embedder: Any, *, prune: b
         if calls is not None and not dry_run:  # rebuilt only when the collection's stamp moved
             with report.timed("indexes"):
                 calls.call(partial(derived.save_current, cfg=settings.chroma, paging=settings.pages,
-                                   generation=final, threads=len(os.sched_getaffinity(0))))
+                                   generation=final, threads=grouping_threads()))
         if final is not None:
             _call(calls, partial(mark_changed, run_ended=True, generation=final))
     report.seconds = round(time.perf_counter() - started, 3)
@@ -148,6 +148,13 @@ def _write_and_prune(files: Any, submit: Any, depth: int, stored: dict[str, Stor
     writer.delete_documents({doc: stored[doc].ids for doc in stale})
     report.documents_removed = len(stale)
     report.files_removed = len({stored[doc].source for doc in stale} - loaded_sources)
+
+
+def grouping_threads() -> int:
+    """Threads the pages' grouping runs on: every core of a big host; one below 8 cores, where the splits, mostly
+    small and mostly Python around k-means, run slower side by side than one after another."""
+    cores = len(os.sched_getaffinity(0))
+    return cores if cores >= 8 else 1
 
 
 def _stored(calls: ChromaCalls | None, settings: Settings, report: IngestReport,
