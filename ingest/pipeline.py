@@ -20,7 +20,6 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
 from contextlib import AbstractContextManager
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -95,7 +94,7 @@ def run_ingest(roots: list[Path], settings: Settings, embedder: Any, *, prune: b
         # Stamped as being written before the first write (services drop what they read of the rows, reload at
         # the end); a Chroma server has no lock to tell a service that the writer died: a plain stamp there.
         writer = ChunkWriter(calls, embedder, settings.ingest.write_batch, dry_run, report,
-                             before_first_write=lambda: _call(calls, partial(mark_changed,
+                             before_first_write=lambda: _call(calls, functools.partial(mark_changed,
                                                                              writing=not settings.chroma.url)))
         try:
             with file_preparers(files, settings, (loaded, planned), prepare_apart, unchanged, chunker,
@@ -114,10 +113,10 @@ def run_ingest(roots: list[Path], settings: Settings, embedder: Any, *, prune: b
         final = new_generation() if ended else None
         if calls is not None and not dry_run:  # rebuilt only when the collection's stamp moved
             with report.timed("indexes"):
-                calls.call(partial(derived.save_current, cfg=settings.chroma, paging=settings.pages,
+                calls.call(functools.partial(derived.save_current, cfg=settings.chroma, paging=settings.pages,
                                    generation=final, threads=grouping_threads()))
         if final is not None:
-            _call(calls, partial(mark_changed, run_ended=True, generation=final))
+            _call(calls, functools.partial(mark_changed, run_ended=True, generation=final))
     report.seconds = round(time.perf_counter() - started, 3)
     return report
 
@@ -163,12 +162,12 @@ def _stored(calls: ChromaCalls | None, settings: Settings, report: IngestReport,
     deleted) are gone: their rows deleted now, first (a dry run only leaves them out)."""
     if calls is None:
         return {}
+    stored = functools.partial(stored_documents, cfg=settings.chroma)
     if dry_run:
         withdrawn = withdrawals.pending(settings.chroma)
-        return {doc: entry for doc, entry in calls.call(partial(stored_documents, cfg=settings.chroma)).items()
-                if doc not in withdrawn}
-    report.chunks_deleted += calls.call(partial(withdrawals.finish, cfg=settings.chroma))
-    return calls.call(partial(stored_documents, cfg=settings.chroma))
+        return {doc: entry for doc, entry in calls.call(stored).items() if doc not in withdrawn}
+    report.chunks_deleted += calls.call(functools.partial(withdrawals.finish, cfg=settings.chroma))
+    return calls.call(stored)
 
 
 @contextlib.contextmanager
