@@ -144,7 +144,7 @@ class IngestSettings(BaseModel):
         "auto: none below 8 cores, else a quarter of them, at most 8).")
     write_process: bool | Literal["auto"] = Field(
         "auto", description="Chroma's calls in a process of their own beside the encoder (auto: for runs of at "
-        "least 4 MB of files; false: on a thread of the ingesting process).")
+        "least 4 MB of files on 8 cores or more; false: on a thread of the ingesting process).")
 
     @field_validator("chunk_workers")
     @classmethod
@@ -155,9 +155,12 @@ class IngestSettings(BaseModel):
 
     def write_apart(self, run_bytes: int) -> bool:
         """Whether a run of ``run_bytes`` of files makes its Chroma calls in a process of its own: Chroma holds the
-        interpreter's lock through a write, which on a thread makes the encoder wait; a process costs a second or
-        two to start, worth it where writes add up."""
-        return self.write_process if self.write_process != "auto" else run_bytes >= WRITE_PROCESS_FROM_BYTES
+        interpreter's lock through a write, which on a thread makes the encoder wait. A process costs a second to
+        start, worth it where writes add up beside a fast encoder ('auto': a big host, as a GPU's is); on a small
+        machine the encoder is the limit either way."""
+        if self.write_process != "auto":
+            return self.write_process
+        return run_bytes >= WRITE_PROCESS_FROM_BYTES and len(os.sched_getaffinity(0)) >= 8
 
     def chunk_processes(self) -> int:
         """How many chunking processes run: ``chunk_workers``, with 'auto' decided by the cores this process may

@@ -449,8 +449,12 @@ def test_chromas_calls_in_a_process_of_their_own_store_what_a_thread_stores(tmp_
     """``write_process`` (a large run's default): every Chroma call of the run in one process of its own -- a first
     run, a changed file whose unchanged chunks' vectors are read back, a record moved to another file (a metadata
     update), a pruned file (deletes) -- leaves exactly the rows, indexes and report a thread leaves."""
+    import os
+
     corpus = write_corpus(tmp_path / "corpus")
     thread, process = settings_factory(path=tmp_path / "thread"), settings_factory(path=tmp_path / "process")
+    big_host = len(os.sched_getaffinity(0)) >= 8
+    assert [thread.ingest.write_apart(size) for size in (10**6, 10**7)] == [False, big_host]  # auto
     thread.ingest.write_process, process.ingest.write_process = False, True
 
     def both() -> None:
