@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 import random
 import signal
@@ -39,22 +38,23 @@ def stored_rows(db_path) -> int:
         return 0
 
 
-def live_children(pid: int) -> list[int]:
-    """The processes whose parent is ``pid`` and that still run (not zombies)."""
-    children = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError):
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            if int(fields[1]) == pid and fields[0] != "Z":
-                children.append(int(stat.parent.name))
-    return children
+def stat_of(pid: int | str) -> list[str]:
+    """A process's state and parent, then the rest of /proc/PID/stat (empty once it is gone)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return []
 
 
 def running(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
+    """Still there and not a zombie."""
+    return stat_of(pid)[:1] not in ([], ["Z"])
+
+
+def live_children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` and that still run."""
+    return [int(entry.name) for entry in Path("/proc").glob("[0-9]*")
+            if stat_of(entry.name)[1:2] == [str(pid)] and running(int(entry.name))]
 
 
 def wait_gone(pids: list[int], whose: str) -> None:
