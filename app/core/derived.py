@@ -27,7 +27,7 @@ def save_current(collection: Collection, cfg: ChromaSettings, paging: PageSettin
     stale (the caller holds the write lock: ingest at the end of a run, the documents API after a delete).
     ``generation``: save them under the stamp the writer is about to publish (``mark_changed``), so that a
     service reloading on it finds them saved instead of building its own from every row. ``threads``: the pages'
-    grouping on that many (ingest: the machine's cores; a serving process keeps to one)."""
+    grouping on that many (ingest: every core of a big host; a serving process keeps to one)."""
     stamp = (generation, collection.count()) if generation else stamp_of(collection)
     folder, path, listed = lexical.index_dir(cfg), pages.path_of(cfg), inventory.path_of(cfg)
     saved_pages = pages.load(path)  # the previous pages: a document keeps its page

@@ -102,7 +102,8 @@ def group(vectors: np.ndarray, tokens: np.ndarray, limit: float, threads: int = 
 
 def _leaves(vectors: np.ndarray, tokens: np.ndarray, limit: float, threads: int) -> list[list[int]]:
     """The tree's leaves in tree order: every group too big for a page split in two, depth by depth; the splits of
-    one depth are independent, and k-means releases the interpreter's lock, so they run side by side."""
+    one depth are independent, and k-means's Lloyd loop releases the interpreter's lock, so on a big
+    host they run side by side."""
     from concurrent.futures import ThreadPoolExecutor
 
     if not len(tokens):

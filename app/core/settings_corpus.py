@@ -10,7 +10,7 @@ from typing import Literal
 from pydantic import BaseModel, Field, field_validator, model_validator
 
 PACKAGED_EMBEDDER = "packaged:all-MiniLM-L6-v2"
-WRITE_PROCESS_FROM_BYTES = 4_000_000  # an ingest run of at least this much makes its Chroma calls in a process
+WRITE_PROCESS_FROM_BYTES = 4_000_000  # from this much, a big host's ingest run makes its Chroma calls apart
 
 
 class ChromaSettings(BaseModel):
