@@ -70,36 +70,33 @@ class ProcessCalls:
                                          initializer=_serve_the_parent, initargs=(os.getpid(),))
         try:
             try:
-                self._wait(self._pool.submit(_open, cfg, _Encoder(embedder.name, None), False))
+                self._send(_open, cfg, _Encoder(embedder.name, None), False).result()
             except CollectionMissing:
                 if not create:
                     raise
-                self._wait(self._pool.submit(_open, cfg, _Encoder(embedder.name, embedder.dimension), True))
+                self._send(_open, cfg, _Encoder(embedder.name, embedder.dimension), True).result()
         except BaseException:
             self.close()
             raise
 
     def call(self, work: Work[T]) -> T:
-        return self._wait(self.submit(work))
+        return self.submit(work).result()
 
     def submit(self, work: Work[T]) -> Future[T]:
+        return self._send(_apply, work)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+    def _send(self, function: Callable[..., T], *args: Any) -> Future[T]:
+        """``function(*args)`` run there; its future reports a dead process as a ``StoreError``."""
         try:
-            sent = self._pool.submit(_apply, work)
+            sent = self._pool.submit(function, *args)
         except BrokenProcessPool as exc:
             raise StoreError(DIED) from exc
         done: Future[T] = Future()
         sent.add_done_callback(lambda _: _settle(done, sent))
         return done
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=True, cancel_futures=True)
-
-    @staticmethod
-    def _wait(future: Future[T]) -> T:
-        try:
-            return future.result()
-        except BrokenProcessPool as exc:
-            raise StoreError(DIED) from exc
 
 
 def _settle(done: Future[T], sent: Future[T]) -> None:
