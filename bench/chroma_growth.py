@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.common import command_line, environment, write_json
+from bench.common import command_line, environment, stored_collection, write_json
 from bench.stats import ms_summary
 
 WRITE_BATCH = 256  # ingest's default write batch
@@ -64,11 +64,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def source_rows(path: Path, collection: str) -> dict[str, Any]:
     """Every row of the source store: vectors (float32), texts, metadata."""
-    from app.core.settings import ChromaSettings
-    from app.core.store import all_rows, open_client
+    from app.core.store import all_rows
 
-    source = open_client(ChromaSettings(path=path, collection=collection), create=False).get_collection(
-        collection, embedding_function=None)
+    source = stored_collection(path, collection)
     rows: dict[str, list[Any]] = {"embeddings": [], "documents": [], "metadatas": []}
     for page in all_rows(source, list(rows)):
         for key in rows:

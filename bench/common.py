@@ -100,6 +100,15 @@ def gpu_name() -> str | None:
     return f"{lines[0]} (x{len(lines)})" if out.returncode == 0 and lines else None
 
 
+def stored_collection(path: Path, collection: str) -> Any:
+    """A collection of an on-disk store ingest made, opened without its encoder (benchmarks that read its rows)."""
+    from app.core.settings import ChromaSettings
+    from app.core.store import open_client
+
+    client = open_client(ChromaSettings(path=path, collection=collection), create=False)
+    return client.get_collection(collection, embedding_function=None)
+
+
 def write_json(path: Path, payload: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(payload, indent=2) + "\n")

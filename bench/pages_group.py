@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.common import command_line, environment, write_json
+from bench.common import command_line, environment, stored_collection, write_json
 
 JITTER = 0.05  # the noise's scale against a unit vector: copies stay near their original, never equal to it
 
@@ -41,11 +41,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def small_parents(args: argparse.Namespace) -> tuple[np.ndarray, np.ndarray]:
     """The store's parents a page of ``--page-tokens`` would group: unit mean vectors and token estimates."""
     from app.core import pages
-    from app.core.settings import ChromaSettings
-    from app.core.store import open_client
 
-    collection = open_client(ChromaSettings(path=args.chroma, collection=args.collection), create=False)
-    parents = pages.read_parents(collection.get_collection(args.collection, embedding_function=None))
+    parents = pages.read_parents(stored_collection(args.chroma, args.collection))
     small = parents.tokens <= pages.SMALL_SHARE * args.page_tokens
     return parents.vectors[small], parents.tokens[small]
 
