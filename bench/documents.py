@@ -79,8 +79,10 @@ def chroma_delete_seconds(rows: int, others: int, tmp: Path) -> float:
     import numpy as np
     from chromadb.config import Settings as ChromaConfig
 
+    from app.core.store import CONFIGURATION
+
     client = chromadb.PersistentClient(str(tmp / "alone"), settings=ChromaConfig(anonymized_telemetry=False))
-    collection = client.create_collection("delete-alone", metadata={"hnsw:space": "cosine"})
+    collection = client.create_collection("delete-alone", configuration=CONFIGURATION)
     vectors = np.random.default_rng(0).standard_normal((rows + others, 384)).astype(np.float32)
     for start in range(0, rows + others, 5000):
         span = range(start, min(start + 5000, rows + others))

@@ -13,11 +13,14 @@ import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, Final, cast
 from urllib.parse import urlparse
 
 from app.core.seams import Collection, Embedder
 from app.core.settings import ChromaSettings
+
+if TYPE_CHECKING:
+    from chromadb.api.collection_configuration import CreateCollectionConfiguration
 
 os.environ.setdefault("ANONYMIZED_TELEMETRY", "False")
 PAGE = 2000  # rows per paginated get: keeps memory flat on large collections
@@ -30,8 +33,9 @@ FIRST_RUN_RUNNING = "\0first ingest running"  # read_generation's answer meanwhi
 # end stamps one without it: services drop what they read of the rows at the first, reload at the second.
 WRITING = "writing:"
 LOCK_FILE = ".prefixrag-ingest.lock"
-SPACE = "cosine"  # the vector index's distance: the encoders' vectors are compared by angle
-CONFIGURATION = {"hnsw": {"space": SPACE}}  # how ingest creates a collection (benchmarks make theirs the same way)
+SPACE: Final = "cosine"  # the vector index's distance: the encoders' vectors are compared by angle
+# How ingest creates a collection (benchmarks make theirs the same way).
+CONFIGURATION: CreateCollectionConfiguration = {"hnsw": {"space": SPACE}}
 
 
 class StoreError(Exception):
