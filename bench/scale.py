@@ -136,7 +136,7 @@ def ingested(args: argparse.Namespace, roots: list[Path], collection: str) -> tu
     them unchanged; the settings that name the store, and the figures."""
     from app.core.devices import torch_device
     from app.core.embedder import Embedder
-    from app.core.store import forget_clients, open_collection
+    from app.core.store import open_collection
     from ingest.pipeline import run_ingest
 
     settings = store_settings(args, collection)
@@ -144,7 +144,6 @@ def ingested(args: argparse.Namespace, roots: list[Path], collection: str) -> tu
     embedder.embed(["warm the encoder up"])  # its first call's overhead belongs to neither side
     first = run_ingest(roots, settings, embedder)
     again = run_ingest(roots, settings, embedder)
-    forget_clients()  # what a run in a process of its own wrote, read from disk (this process may hold the store)
     stored = open_collection(settings.chroma, embedder, create=False)
     encoder = raw_encoder_rate(embedder, stored_texts(stored, ENCODER_SAMPLE), settings.ingest.write_batch)
     rate = first.chunks_embedded / first.seconds if first.seconds else 0.0
@@ -152,8 +151,7 @@ def ingested(args: argparse.Namespace, roots: list[Path], collection: str) -> tu
         "chunks_total": stored.count(), "chunks_written": first.chunks_written,
         "chunks_embedded": first.chunks_embedded, "seconds": first.seconds, "embedded_per_s": round(rate, 1),
         "raw_encoder_chunks_per_s": round(encoder, 1), "ratio_to_encoder": round(rate / encoder, 3) if rate else None,
-        "stages_s": first.stages_s, "chroma_process": first.chroma_process, "reingest_seconds": again.seconds,
-        "reingest_writes": again.writes,
+        "stages_s": first.stages_s, "reingest_seconds": again.seconds, "reingest_writes": again.writes,
         "reingest_stages_s": again.stages_s,
         "reingest_share": round(again.seconds / first.seconds, 4) if first.chunks_written else None,
         "device": torch_device(settings.embedding.device)}

@@ -14,7 +14,6 @@ import dataclasses
 import functools
 import math
 import multiprocessing
-import os
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
@@ -27,8 +26,14 @@ from app.core import derived, withdrawals
 from app.core.inventory import StoredDocument, stored_documents
 from app.core.records import pipeline_identity, sha256
 from app.core.settings import Settings
-from app.core.store import CollectionMissing, first_run_running, mark_changed, new_generation, write_lock
-from ingest.chroma_calls import ChromaCalls, open_calls
+from app.core.store import (
+    CollectionMissing,
+    first_run_running,
+    mark_changed,
+    new_generation,
+    open_collection,
+    write_lock,
+)
 from ingest.chunking import Chunker
 from ingest.documents import SourceDocument
 from ingest.files import FileResult, Plan, discover, hashed, load
@@ -62,11 +67,10 @@ def run_ingest(roots: list[Path], settings: Settings, embedder: Any, *, prune: b
     report = IngestReport(dry_run=dry_run)
     files, report.skipped_unknown, report.skipped_unreadable = discover(roots)
     report.files_seen = len(files)
-    apart = report.chroma_process = settings.ingest.write_apart(_bytes(files)) and not dry_run
-    with write_lock(settings.chroma, settings.ingest.lock_timeout_s), _opened_for(settings, embedder, dry_run,
-                                                                                    apart) as calls:
+    with write_lock(settings.chroma, settings.ingest.lock_timeout_s):
+        collection = _open_for(settings, embedder, dry_run)
         with report.timed("scan"):
-            stored = _stored(calls, settings, report, dry_run)
+            stored = _stored(collection, settings, report, dry_run)
         by_source: dict[str, list[StoredDocument]] = {}
         ids_by_source: dict[str, list[str]] = {}
         for doc_id, entry in stored.items():
@@ -93,9 +97,8 @@ def run_ingest(roots: list[Path], settings: Settings, embedder: Any, *, prune: b
 
         # Stamped as being written before the first write (services drop what they read of the rows, reload at
         # the end); a Chroma server has no lock to tell a service that the writer died: a plain stamp there.
-        writer = ChunkWriter(calls, embedder, settings.ingest.write_batch, dry_run, report,
-                             before_first_write=lambda: _call(calls, functools.partial(mark_changed,
-                                                                             writing=not settings.chroma.url)))
+        writer = ChunkWriter(collection, embedder, settings.ingest.write_batch, dry_run, report,
+                             before_first_write=lambda: mark_changed(collection, writing=not settings.chroma.url))
         try:
             with file_preparers(files, settings, (loaded, planned), prepare_apart, unchanged, chunker,
                                 lambda: report.timed("load")) as (submit, depth):
@@ -104,19 +107,17 @@ def run_ingest(roots: list[Path], settings: Settings, embedder: Any, *, prune: b
             with contextlib.suppress(Exception):  # the write in flight lands (or fails) before the stamp moves
                 writer.close()
             if report.writes and not dry_run:  # stamped again: readers that reloaded mid-run reload
-                _call(calls, mark_changed)
+                mark_changed(collection)
             raise
         writer.close()
         # Stamped again when done (readers that reloaded mid-run reload), and a first run's end lets services answer;
         # the indexes are saved under that stamp first, so services reloading on it load them, none builds its own.
-        ended = not dry_run and (report.writes or _call(calls, first_run_running))
-        final = new_generation() if ended else None
-        if calls is not None and not dry_run:  # rebuilt only when the collection's stamp moved
+        final = new_generation() if not dry_run and (report.writes or first_run_running(collection)) else None
+        if collection is not None and not dry_run:  # rebuilt only when the collection's stamp moved
             with report.timed("indexes"):
-                calls.call(functools.partial(derived.save_current, cfg=settings.chroma, paging=settings.pages,
-                                   generation=final, threads=grouping_threads()))
+                derived.save_current(collection, settings.chroma, settings.pages, generation=final)
         if final is not None:
-            _call(calls, functools.partial(mark_changed, run_ended=True, generation=final))
+            mark_changed(collection, run_ended=True, generation=final)
     report.seconds = round(time.perf_counter() - started, 3)
     return report
 
@@ -149,45 +150,25 @@ def _write_and_prune(files: Any, submit: Any, depth: int, stored: dict[str, Stor
     report.files_removed = len({stored[doc].source for doc in stale} - loaded_sources)
 
 
-def grouping_threads() -> int:
-    """Threads the pages' grouping runs on: every core of a big host; one below 8 cores, where the splits, mostly
-    small and mostly Python around k-means, run slower side by side than one after another."""
-    cores = len(os.sched_getaffinity(0))
-    return cores if cores >= 8 else 1
-
-
-def _stored(calls: ChromaCalls | None, settings: Settings, report: IngestReport,
-            dry_run: bool) -> dict[str, StoredDocument]:
+def _stored(collection: Any, settings: Settings, report: IngestReport, dry_run: bool) -> dict[str, StoredDocument]:
     """What the collection holds, once the documents the service withdrew (deleted over HTTP, rows not yet
     deleted) are gone: their rows deleted now, first (a dry run only leaves them out)."""
-    if calls is None:
+    if collection is None:
         return {}
-    stored = functools.partial(stored_documents, cfg=settings.chroma)
     if dry_run:
         withdrawn = withdrawals.pending(settings.chroma)
-        return {doc: entry for doc, entry in calls.call(stored).items() if doc not in withdrawn}
-    report.chunks_deleted += calls.call(functools.partial(withdrawals.finish, cfg=settings.chroma))
-    return calls.call(stored)
+        return {doc: entry for doc, entry in stored_documents(collection, settings.chroma).items()
+                if doc not in withdrawn}
+    report.chunks_deleted += withdrawals.finish(collection, settings.chroma)
+    return stored_documents(collection, settings.chroma)
 
 
-@contextlib.contextmanager
-def _opened_for(settings: Settings, embedder: Any, dry_run: bool, apart: bool) -> Iterator[ChromaCalls | None]:
-    """The run's collection (``ingest.chroma_calls``), in a process of its own if ``apart``. A dry run creates
-    nothing: a collection that does not exist yet reads as empty (None)."""
+def _open_for(settings: Settings, embedder: Any, dry_run: bool) -> Any:
+    """A dry run creates nothing: a collection that does not exist yet reads as empty."""
     try:
-        calls = open_calls(settings.chroma, embedder, create=not dry_run, apart=apart)
+        return open_collection(settings.chroma, embedder, create=not dry_run)
     except CollectionMissing:
-        yield None
-        return
-    try:
-        yield calls
-    finally:
-        calls.close()
-
-
-def _call(calls: ChromaCalls | None, work: Callable[[Any], Any]) -> Any:
-    """``work(collection)`` where the run's calls run (None without a collection: a dry run of one not made)."""
-    return calls.call(work) if calls is not None else None
+        return None
 
 
 def _failed(report: IngestReport) -> set[str]:

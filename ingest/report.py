@@ -28,7 +28,6 @@ class IngestReport:
     chunks_deleted: int = 0
     chunks_relabeled: int = 0  # metadata-only updates (file hash, path, size) of chunks whose text did not change
     seconds: float = 0.0
-    chroma_process: bool = False  # its Chroma calls ran in a process of their own (``ingest.chroma_calls``)
     # Where the run's own thread spent its time, seconds: "scan" (what is stored), "load" (waiting for files to be
     # loaded and chunked), "embed", "store" (waiting for Chroma's writes), "indexes" (BM25 and pages rebuilt).
     stages_s: dict[str, float] = field(default_factory=dict)

@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from functools import partial
-from operator import methodcaller
 from typing import Any
 
 import numpy as np
@@ -14,7 +12,6 @@ import numpy as np
 from app.core.records import ChunkRecord
 from app.core.seams import Embedder
 from app.core.store import StoreError
-from ingest.chroma_calls import ChromaCalls
 from ingest.chunking import Chunk
 from ingest.documents import SourceDocument
 
@@ -26,32 +23,27 @@ class _Pending:
     remaining: int  # chunks of this document not yet upserted
 
 
-def max_write_batch(calls: ChromaCalls | None, wanted: int) -> int:
+def max_write_batch(collection: Any, wanted: int) -> int:
     """``wanted``, capped to the most rows Chroma accepts in one write (it refuses a larger upsert outright)."""
-    limit = calls.call(_max_batch_size) if calls is not None else wanted
+    limit = collection._client.get_max_batch_size() if collection is not None else wanted
     return max(1, min(wanted, limit))
 
 
-def _max_batch_size(collection: Any) -> int:
-    return int(collection._client.get_max_batch_size())
-
-
 class ChunkWriter:
-    def __init__(self, calls: ChromaCalls | None, embedder: Embedder, batch: int, dry_run: bool, report: Any,
+    def __init__(self, collection: Any, embedder: Embedder, batch: int, dry_run: bool, report: Any,
                  before_first_write: Callable[[], None] = lambda: None) -> None:
-        """``calls``: the run's collection (``ingest.chroma_calls``; None in a dry run of a collection not made)."""
-        self.calls, self.embedder = calls, embedder
+        self.collection, self.embedder = collection, embedder
         # Called once, before the collection is first changed: the generation stamp moves before any row does,
         # so a run killed mid-way never leaves changed rows under the old stamp (readers rebuild what they keep).
         self._before_first_write: Callable[[], None] | None = before_first_write
-        self.batch = max_write_batch(calls, batch)
+        self.batch = max_write_batch(collection, batch)
         self.dry_run, self.report = dry_run, report
         self.vectors: dict[str, np.ndarray] = {}  # content hash -> embedding, this run and re-used stored ones
         self.buffer: list[tuple[str, Chunk, dict[str, Any]]] = []
         self.pending: dict[str, _Pending] = {}
         self.metadata_changes: list[tuple[list[str], dict[str, Any] | None]] = []  # queued by relabel, record_size
-        # Chroma's writes run apart (a thread or a process of their own), so the encoder embeds the next batch
-        # meanwhile.
+        # Chroma's writes run on a thread of their own, so the encoder embeds the next batch meanwhile.
+        self._writes = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ingest-write")
         self._in_flight: tuple[Future[None], list[tuple[str, Chunk, dict[str, Any]]]] | None = None
 
     def add_document(self, document: SourceDocument, chunks: list[Chunk], doc_hash: str,
@@ -72,7 +64,7 @@ class ChunkWriter:
     def _remember_stored(self, ids: list[str]) -> None:
         """Keep the embeddings of a changed document's current chunks: unchanged text is never re-embedded."""
         for batch in self._batches(ids):
-            stored = self._call(methodcaller("get", ids=batch, include=["embeddings", "metadatas"]))
+            stored = self.collection.get(ids=batch, include=["embeddings", "metadatas"])
             for vector, meta in zip(stored["embeddings"], stored["metadatas"]):
                 self.vectors.setdefault(meta["content_hash"], np.asarray(vector, dtype=np.float32))
 
@@ -86,8 +78,11 @@ class ChunkWriter:
         self._write_metadata()
 
     def close(self) -> None:
-        """Wait for the write in flight (its error, if any, is raised)."""
-        self._settled()
+        """Wait for the write in flight (its error, if any, is raised) and stop the writing thread."""
+        try:
+            self._settled()
+        finally:
+            self._writes.shutdown(wait=True)
 
     def _settled(self) -> None:
         """The write in flight stored (or its error raised here) and its bookkeeping done: the collection is as
@@ -116,17 +111,15 @@ class ChunkWriter:
         self._settled()
         if not self.dry_run:
             self._changing()
-        if self.dry_run:
-            written: Future[None] = Future()
-            written.set_result(None)
-        else:
-            assert self.calls is not None  # a real run made the collection
-            written = self.calls.submit(partial(upsert, rows=rows))
-        self._in_flight = (written, batch)
+        self._in_flight = (self._writes.submit(self._upsert, rows), batch)
 
-    def _call(self, work: Callable[[Any], Any]) -> Any:
-        assert self.calls is not None, "only a real run reads or changes the collection"
-        return self.calls.call(work)
+    def _upsert(self, rows: dict[str, list[Any]]) -> None:
+        if self.dry_run:
+            return
+        try:
+            self.collection.upsert(**rows)
+        except Exception as exc:  # systemic (disk full, server gone): one clear line; a re-run converges
+            raise StoreError(f"Chroma refused a write of {len(rows['ids'])} chunks: {exc}") from exc
 
     def _written(self, batch: list[tuple[str, Chunk, dict[str, Any]]]) -> None:
         """A batch's write landed: count it, and delete the stale chunks of the documents it completed."""
@@ -190,8 +183,7 @@ class ChunkWriter:
         with_text = any(changes is None for _, changes in queued)
         stored: dict[str, tuple[dict[str, Any], str]] = {}
         for batch in self._batches([chunk_id for group, _ in queued for chunk_id in group]):
-            rows = self._call(methodcaller("get", ids=batch,
-                                           include=["metadatas", "documents"] if with_text else ["metadatas"]))
+            rows = self.collection.get(ids=batch, include=["metadatas", "documents"] if with_text else ["metadatas"])
             stored.update(zip(rows["ids"], zip(rows["metadatas"], rows["documents"] or [""] * len(rows["ids"]))))
         merged: dict[str, dict[str, Any]] = {}
         for group, changes in queued:
@@ -202,7 +194,7 @@ class ChunkWriter:
                 merged[chunk_id] = merged.get(chunk_id, stored[chunk_id][0]) | changes
             self.report.chunks_relabeled += len(group)
         for batch in self._batches(list(merged)):
-            self._call(methodcaller("update", ids=batch, metadatas=[merged[chunk_id] for chunk_id in batch]))
+            self.collection.update(ids=batch, metadatas=[merged[chunk_id] for chunk_id in batch])
 
     def delete_documents(self, ids_by_doc: dict[str, list[str]]) -> None:
         self._settled()
@@ -215,15 +207,7 @@ class ChunkWriter:
         if not self.dry_run:
             self._changing()
             for batch in self._batches(ids):
-                self._call(methodcaller("delete", ids=batch))
-
-
-def upsert(collection: Any, rows: dict[str, list[Any]]) -> None:
-    """One batch written (wherever the run's Chroma calls run)."""
-    try:
-        collection.upsert(**rows)
-    except Exception as exc:  # systemic (disk full, server gone): one clear line; a re-run converges
-        raise StoreError(f"Chroma refused a write of {len(rows['ids'])} chunks: {exc}") from exc
+                self.collection.delete(ids=batch)
 
 
 def chunk_metadata(document: SourceDocument, chunk: Chunk, doc_hash: str, n_chunks: int,

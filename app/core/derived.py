@@ -22,12 +22,11 @@ class RowsBuilder(Protocol):
 
 
 def save_current(collection: Collection, cfg: ChromaSettings, paging: PageSettings,
-                 generation: str | None = None, threads: int = 1) -> None:
+                 generation: str | None = None) -> None:
     """Save the BM25 index, the pages and the inventory for the collection as it is now, rebuilding only what is
     stale (the caller holds the write lock: ingest at the end of a run, the documents API after a delete).
     ``generation``: save them under the stamp the writer is about to publish (``mark_changed``), so that a
-    service reloading on it finds them saved instead of building its own from every row. ``threads``: the pages'
-    grouping on that many (ingest: every core of a big host; a serving process keeps to one)."""
+    service reloading on it finds them saved instead of building its own from every row."""
     stamp = (generation, collection.count()) if generation else stamp_of(collection)
     folder, path, listed = lexical.index_dir(cfg), pages.path_of(cfg), inventory.path_of(cfg)
     saved_pages = pages.load(path)  # the previous pages: a document keeps its page
@@ -46,6 +45,6 @@ def save_current(collection: Collection, cfg: ChromaSettings, paging: PageSettin
         lexical.save(terms.index(stamp[0]), folder)
     if stale_pages:
         sums = parents.parents() if parents is not None else None
-        pages.save(pages.build_from(sums, stamp, paging.tokens, saved_pages, threads), path)
+        pages.save(pages.build_from(sums, stamp, paging.tokens, saved_pages), path)
     if documents is not None:
         inventory.save(documents.documents, stamp, listed)

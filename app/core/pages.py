@@ -17,8 +17,6 @@ ingest writes it after a run, a service whose stamp differs rebuilds it in memor
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import json
 import uuid
 from dataclasses import dataclass, field
@@ -91,56 +89,29 @@ def read_parents(collection: Collection) -> Parents:
     return sums.parents()
 
 
-def group(vectors: np.ndarray, tokens: np.ndarray, limit: float, threads: int = 1) -> list[list[int]]:
-    """Row indices grouped into pages of at most ``limit`` tokens (a row bigger than that alone); ``threads``: the
-    splits of one depth of the tree run on that many threads (the same pages whatever the number)."""
+def group(vectors: np.ndarray, tokens: np.ndarray, limit: float) -> list[list[int]]:
+    """Row indices grouped into pages of at most ``limit`` tokens (a row bigger than that alone)."""
     from threadpoolctl import threadpool_limits
 
     with threadpool_limits(1):  # most splits are of a few hundred rows: a thread pool per call costs more than
-        return _pack(_leaves(vectors, tokens, limit, threads), tokens, limit)  # it saves (same pages either way)
+        return _pack(_leaves(vectors, tokens, limit), tokens, limit)  # it saves (same pages either way)
 
 
-def _leaves(vectors: np.ndarray, tokens: np.ndarray, limit: float, threads: int) -> list[list[int]]:
-    """The tree's leaves in tree order: every group too big for a page split in two, depth by depth; the splits of
-    one depth are independent, and k-means's Lloyd loop releases the interpreter's lock, so on a big
-    host they run side by side."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    if not len(tokens):
-        return []
-    groups: list[list[int]] = [list(range(len(tokens)))]  # every group made, by number; 0 is the whole set
-    halves: dict[int, tuple[int, int]] = {}  # a split group's number -> its halves' numbers, the first half first
-    depth = [0]
-    with ThreadPoolExecutor(max_workers=threads) if threads > 1 else contextlib.nullcontext() as pool:
-        while depth:
-            split = [n for n in depth if tokens[groups[n]].sum() > limit and len(groups[n]) > 1]
-            mapped = pool.map if pool is not None else map
-            depth = []
-            split_in_two = mapped(functools.partial(_halves, vectors), [groups[n] for n in split])
-            for n, (first, second) in zip(split, split_in_two):
-                halves[n] = (len(groups), len(groups) + 1)
-                groups += [first, second]
-                groups[n] = []  # only the leaves are kept
-                depth += halves[n]
-    leaves, stack = [], [0]
-    while stack:  # depth-first, first half first
-        n = stack.pop()
-        if n in halves:
-            stack += reversed(halves[n])
-        else:
-            leaves.append(groups[n])
-    return leaves
-
-
-def _halves(vectors: np.ndarray, members: list[int]) -> tuple[list[int], list[int]]:
-    """A group split in two by k-means; the half holding the group's first row comes first."""
+def _leaves(vectors: np.ndarray, tokens: np.ndarray, limit: float) -> list[list[int]]:
     from sklearn.cluster import KMeans
 
-    labels = KMeans(n_clusters=2, n_init=3, random_state=0).fit_predict(vectors[members])
-    if labels.min() == labels.max():  # identical vectors: split in order
-        labels = np.arange(len(members)) >= len(members) // 2
-    first = labels == labels[0]
-    return [m for m, f in zip(members, first) if f], [m for m, f in zip(members, first) if not f]
+    leaves, stack = [], [list(range(len(tokens)))] if len(tokens) else []
+    while stack:  # depth-first, left half first: leaves come out in tree order
+        members = stack.pop()
+        if tokens[members].sum() <= limit or len(members) == 1:
+            leaves.append(members)
+            continue
+        labels = KMeans(n_clusters=2, n_init=3, random_state=0).fit_predict(vectors[members])
+        if labels.min() == labels.max():  # identical vectors: split in order
+            labels = np.arange(len(members)) >= len(members) // 2
+        first = labels == labels[0]  # the half holding the group's first row comes first
+        stack += [[m for m, f in zip(members, first) if not f], [m for m, f in zip(members, first) if f]]
+    return leaves
 
 
 def _pack(leaves: list[list[int]], tokens: np.ndarray, limit: float) -> list[list[int]]:
@@ -160,10 +131,8 @@ def build(collection: Collection, size: int, previous: PageIndex | None = None) 
     return build_from(read_parents(collection) if size else None, stamp, size, previous)
 
 
-def build_from(parents: Parents | None, stamp: tuple[str, int], size: int, previous: PageIndex | None,
-               threads: int = 1) -> PageIndex:
-    """``build`` from parents already read (``ParentSums``; None with paging off) for a collection of this stamp;
-    ``threads``: how many splits of the grouping run at once (``group``)."""
+def build_from(parents: Parents | None, stamp: tuple[str, int], size: int, previous: PageIndex | None) -> PageIndex:
+    """``build`` from parents already read (``ParentSums``; None with paging off) for a collection of this stamp."""
     generation, count = stamp
     if not size or parents is None:
         return PageIndex(generation, count, size)
@@ -175,7 +144,7 @@ def build_from(parents: Parents | None, stamp: tuple[str, int], size: int, previ
     newcomers = [p for p in small if p not in placed]  # sorted: parents.keys is
     leftovers = _join_nearest(kept, newcomers, small, parents, size)
     rows = [small[p] for p in leftovers]
-    fresh = group(parents.vectors[rows], parents.tokens[rows], size, threads)
+    fresh = group(parents.vectors[rows], parents.tokens[rows], size)
     number = 1 + max((int(key.rsplit("-", 1)[1]) for key in kept), default=0)
     for offset, members in enumerate(fresh):
         kept[f"page-{number + offset:05d}"] = [leftovers[i] for i in members]

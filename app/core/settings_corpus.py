@@ -10,7 +10,6 @@ from typing import Literal
 from pydantic import BaseModel, Field, field_validator, model_validator
 
 PACKAGED_EMBEDDER = "packaged:all-MiniLM-L6-v2"
-WRITE_PROCESS_FROM_BYTES = 4_000_000  # from this much, a big host's ingest run makes its Chroma calls apart
 
 
 class ChromaSettings(BaseModel):
@@ -142,9 +141,6 @@ class IngestSettings(BaseModel):
     chunk_workers: int | Literal["auto"] = Field(
         "auto", description="Processes that load and chunk files beside the encoder (0: one thread of this process; "
         "auto: none below 8 cores, else a quarter of them, at most 8).")
-    write_process: bool | Literal["auto"] = Field(
-        "auto", description="Chroma's calls in a process of their own beside the encoder (auto: for runs of at "
-        "least 4 MB of files on 8 cores or more; false: on a thread of the ingesting process).")
 
     @field_validator("chunk_workers")
     @classmethod
@@ -152,15 +148,6 @@ class IngestSettings(BaseModel):
         if isinstance(value, int) and value < 0:
             raise ValueError("chunk_workers must be 0 or more (or 'auto')")
         return value
-
-    def write_apart(self, run_bytes: int) -> bool:
-        """Whether a run of ``run_bytes`` of files makes its Chroma calls in a process of its own: Chroma holds the
-        interpreter's lock through a write, which on a thread makes the encoder wait. A process costs a second to
-        start, worth it where writes add up beside a fast encoder ('auto': a big host, as a GPU's is); on a small
-        machine the encoder is the limit either way."""
-        if self.write_process != "auto":
-            return self.write_process
-        return run_bytes >= WRITE_PROCESS_FROM_BYTES and len(os.sched_getaffinity(0)) >= 8
 
     def chunk_processes(self) -> int:
         """How many chunking processes run: ``chunk_workers``, with 'auto' decided by the cores this process may

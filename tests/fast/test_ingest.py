@@ -445,36 +445,6 @@ def test_chunking_processes_store_what_one_thread_stores(tmp_path, settings_fact
     assert run_ingest([corpus], apart, embedder).files_unchanged == 6 and not submitted  # settled
 
 
-def test_chromas_calls_in_a_process_of_their_own_store_what_a_thread_stores(tmp_path, settings_factory, embedder):
-    """``write_process`` (a large run's default): every Chroma call of the run in one process of its own -- a first
-    run, a changed file whose unchanged chunks' vectors are read back, a record moved to another file (a metadata
-    update), a pruned file (deletes) -- leaves exactly the rows, indexes and report a thread leaves."""
-    import os
-
-    corpus = write_corpus(tmp_path / "corpus")
-    thread, process = settings_factory(path=tmp_path / "thread"), settings_factory(path=tmp_path / "process")
-    big_host = len(os.sched_getaffinity(0)) >= 8
-    assert [thread.ingest.write_apart(size) for size in (10**6, 10**7)] == [False, big_host]  # auto
-    thread.ingest.write_process, process.ingest.write_process = False, True
-
-    def both() -> None:
-        reports = [vars(run_ingest([corpus], settings, embedder, prune=True)) | {"seconds": 0, "stages_s": {}}
-                   for settings in (thread, process)]
-        assert [report.pop("chroma_process") for report in reports] == [False, True]
-        assert reports[1] == reports[0]
-        assert snapshot(process, embedder) == snapshot(thread, embedder)
-        assert lexical_ids(process) == lexical_ids(thread) == set(snapshot(thread, embedder))
-
-    both()
-    doc = corpus / "guide" / "lighthouses.md"
-    doc.write_text(doc.read_text() + "\n## Fog\n\nFoghorns sound when the beam cannot be seen.\n")
-    records = [json.loads(line) for line in (corpus / "animals.jsonl").read_text().splitlines()]
-    (corpus / "animals.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records[:2]))
-    (corpus / "bees.jsonl").write_text(json.dumps(records[2]) + "\n")  # Bees#0 moved to a file of its own
-    (corpus / "notes.txt").unlink()
-    both()
-
-
 def test_a_section_that_fits_one_chunk_is_cut_as_the_splitter_would_cut_it(settings_factory, embedder):
     """The chunker's short cut (one token count for a section that fits) stores exactly what langchain's splitter
     makes of it: the same text, stripped, at the same offset."""
@@ -490,17 +460,14 @@ def test_a_section_that_fits_one_chunk_is_cut_as_the_splitter_would_cut_it(setti
         assert [(c.text, c.start) for c in chunker.chunk(document)] == expected
 
 
-@pytest.mark.parametrize("apart", [False, True], ids=["thread", "process"])
-def test_a_write_chroma_refuses_ends_the_run_with_one_clear_error(tmp_path, settings_factory, embedder, apart):
-    """Writes run on a thread or in a process of their own: Chroma's refusal there (here: vectors of another size
-    than the collection's) still ends the run in its caller, as one StoreError naming the write, and nothing
-    hangs."""
+def test_a_write_chroma_refuses_ends_the_run_with_one_clear_error(tmp_path, settings_factory, embedder):
+    """Writes run on a thread of their own: Chroma's refusal there (here: vectors of another size than the
+    collection's) still ends the run in its caller, as one StoreError naming the write, and nothing hangs."""
     import chromadb
 
     from app.core.store import StoreError, open_client
 
     settings = settings_factory()
-    settings.ingest.write_process = apart
     client: chromadb.ClientAPI = open_client(settings.chroma)
     odd = client.create_collection(settings.chroma.collection, embedding_function=None,
                                    metadata={"embedder": embedder.name})

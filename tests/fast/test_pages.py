@@ -105,21 +105,3 @@ def test_a_stale_saved_bm25_index_is_judged_by_its_stamp_alone_never_loaded(tmp_
     monkeypatch.setattr(lexical, "load", lambda *a: loads.append(a))
     assert sorted(lexical.current(collection, settings.chroma).ids) == sorted(saved.ids)  # built afresh
     assert loads == [], "a stale index was loaded only to be thrown away"
-
-
-def test_the_grouping_on_several_threads_makes_the_pages_of_one(embedder):
-    """Ingest groups on every core (``threads``): the splits of one depth run side by side, and the pages -- their
-    members and their order -- are those of one thread, for pages that need a deep tree and a shallow one."""
-    import numpy as np
-
-    from tests.support.corpora import ARTICLES
-
-    sentences = [f"{title}: {passage}" for title, passages in ARTICLES.items() for passage in passages]
-    words = " ".join(sentences).split()
-    texts = sentences + [" ".join(words[i:i + 9]) for i in range(0, len(words) - 9, 2)]
-    vectors = np.array(embedder.embed(texts))
-    tokens = np.array([len(text) / pages.CHARS_PER_TOKEN for text in texts])
-    for limit in (12.0, tokens.sum() / 3):
-        one = pages.group(vectors, tokens, limit)
-        assert len(one) > 2 and sorted(m for page in one for m in page) == list(range(len(texts)))
-        assert pages.group(vectors, tokens, limit, threads=4) == one
