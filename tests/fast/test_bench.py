@@ -228,10 +228,9 @@ def test_chroma_growth_copies_a_stores_rows_into_a_served_collection_and_measure
     assert abs(float(np.linalg.norm(rows["embeddings"][0])) - 1) < 1e-3 and out.with_suffix(".png").exists()
 
 
-def test_pages_group_times_the_grouping_of_grown_real_parents_on_each_thread_count(tmp_path, settings_factory,
-                                                                                     embedder):
-    """bench.pages_group at a tiny size: an ingested store's small parents copied (vectors jittered) to each size,
-    grouped on one thread and on two; the pages must be the same, or the run fails."""
+def test_pages_group_times_the_grouping_of_grown_real_parents(tmp_path, settings_factory, embedder):
+    """bench.pages_group at a tiny size: an ingested store's small parents copied (vectors jittered) to each size
+    and grouped into pages, timed."""
     import json
 
     from bench.pages_group import main
@@ -242,9 +241,9 @@ def test_pages_group_times_the_grouping_of_grown_real_parents_on_each_thread_cou
     run_ingest([write_corpus(tmp_path / "corpus")], settings, embedder)
     out = tmp_path / "pages.json"
     assert main(["--chroma", str(settings.chroma.path), "--collection", settings.chroma.collection,
-                 "--parents", "40,120", "--threads", "1,2", "--page-tokens", "64", "--out", str(out)]) == 0
+                 "--parents", "40,120", "--page-tokens", "64", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
     assert [step["parents"] for step in result["steps"]] == [40, 120] and result["store_parents"] > 0
     for step in result["steps"]:
-        assert step["same_pages"] and step["pages"] > 1 and set(step["seconds_by_threads"]) == {"1", "2"}
+        assert step["pages"] > 1 and step["seconds"] >= 0
     assert out.with_suffix(".png").stat().st_size > 0

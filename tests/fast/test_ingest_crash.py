@@ -75,7 +75,7 @@ def test_without_a_terminal_ingest_prints_progress_lines_and_ctrl_c_is_one_line(
         [sys.executable, "-m", "ingest", str(corpus), "--chroma-path", str(interrupted.chroma.path),
          "--collection", interrupted.chroma.collection], cwd=ROOT, text=True,
         env=os.environ | {"PREFIXRAG_INGEST__WRITE_BATCH": "16", "PREFIXRAG_INGEST__PROGRESS_S": "0.01"},
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
         # A suite started in the background by a shell (`cmd &`) inherits SIGINT ignored, and so would ingest:
         # give it the default a terminal's Ctrl-C meets.
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
@@ -85,7 +85,7 @@ def test_without_a_terminal_ingest_prints_progress_lines_and_ctrl_c_is_one_line(
         assert line, "ingest ended before it printed progress"
         if line.startswith("ingest: "):
             progress.append(line)
-    process.send_signal(signal.SIGINT)
+    os.killpg(process.pid, signal.SIGINT)  # as a terminal sends it: to the whole process group
     rest = process.stderr.read()
     assert process.wait(60) == 130
     assert "files" in progress[0] and "chunks/s" in progress[0] and "ETA" in progress[0]
