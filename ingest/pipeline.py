@@ -14,6 +14,8 @@ import dataclasses
 import functools
 import math
 import multiprocessing
+import pickle
+import tempfile
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
@@ -209,9 +211,10 @@ def file_preparers(files: list[tuple[Path, str]], settings: Settings,
 
         def pool() -> ProcessPoolExecutor:
             if not started:  # spawn: this process may hold CUDA and threads, which a forked child must not inherit
+                shared = stack.enter_context(_pickled(chunker()))  # removed once the pool has shut down
                 started.append(stack.enter_context(ProcessPoolExecutor(
                     max_workers=workers, mp_context=multiprocessing.get_context("spawn"), initializer=_adopt,
-                    initargs=(chunker(),))))
+                    initargs=(shared,))))
             return started[0]
 
         def submit(path: Path, rel: str) -> Joined:
@@ -279,9 +282,21 @@ def _bytes(files: list[tuple[Path, str]]) -> int:
 _worker_chunker: Chunker | None = None  # a chunking process's copy of the parent's, given when the pool started
 
 
-def _adopt(chunker: Chunker) -> None:
+@contextlib.contextmanager
+def _pickled(chunker: Chunker) -> Iterator[Path]:
+    """The chunker pickled to a private file, for the chunking processes to read. Given to them directly, its
+    tokenizer (~1 MB) would be written down each process's start-up pipe, and that write blocks this thread until
+    the child, importing as it goes, has read it all: one process after another, seconds each."""
+    with tempfile.TemporaryDirectory(prefix="prefixrag-chunker-") as folder:
+        path = Path(folder) / "chunker.pickle"
+        path.write_bytes(pickle.dumps(chunker, protocol=pickle.HIGHEST_PROTOCOL))
+        yield path
+
+
+def _adopt(pickled: Path) -> None:
+    """A chunking process's start: the parent's chunker, read from the file ``_pickled`` wrote."""
     global _worker_chunker
-    _worker_chunker = chunker
+    _worker_chunker = pickle.loads(pickled.read_bytes())
 
 
 def prepare_in_worker(path: Path, rel: str, settings: Settings, identity: str,
@@ -303,12 +318,14 @@ def _block(documents: list[Any], part: int, parts: int) -> list[Any]:
 
 
 def prefetched(items: list[Any], submit: Callable[..., Any], depth: int, report: IngestReport) -> Any:
-    """``submit(*item)``'s result for each item, in order, at most ``depth`` in progress (waits count as "load")."""
-    pending = deque(submit(*item) for item in items[:depth])
+    """``submit(*item)``'s result for each item, in order, at most ``depth`` in progress (waits count as "load",
+    and so do the submits: they hash files and may start the chunking processes)."""
+    with report.timed("load"):
+        pending = deque(submit(*item) for item in items[:depth])
     for item in items[depth:]:
         with report.timed("load"):
             result = pending.popleft().result()
-        pending.append(submit(*item))
+            pending.append(submit(*item))
         yield result
     while pending:
         with report.timed("load"):

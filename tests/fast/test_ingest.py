@@ -414,7 +414,10 @@ print(errors)
 def test_chunking_processes_store_what_one_thread_stores(tmp_path, settings_factory, embedder, monkeypatch):
     """``chunk_workers`` (a GPU host's default): the same chunks, ids and metadata as one thread; a record moved to
     another file is still known unchanged, although a process sees only its own file's stored documents; a run
-    that changes nothing starts no process."""
+    that changes nothing starts no process. What each process is started with is small: a spawned child reads it
+    from a pipe while it imports, and the parent's write of anything bigger than the pipe (64 KiB) waits for that,
+    one process after another (the tokenizer itself, ~1 MB, cost seconds a process)."""
+    import pickle
     from concurrent.futures import ProcessPoolExecutor
 
     corpus = write_corpus(tmp_path / "corpus")
@@ -424,8 +427,13 @@ def test_chunking_processes_store_what_one_thread_stores(tmp_path, settings_fact
     monkeypatch.setattr("ingest.pipeline.SLICE_FROM_BYTES", 0)  # and its jsonl file chunked in slices
     assert apart.ingest.chunk_processes() == 2 and one.ingest.chunk_processes() == 0  # auto: none on 2 cores
     run_ingest([corpus], one, embedder)
+    started_with = []
+    real_init = ProcessPoolExecutor.__init__
+    monkeypatch.setattr(ProcessPoolExecutor, "__init__", lambda pool, *a, **k: started_with.append(
+        k.get("initargs", ())) or real_init(pool, *a, **k))
     first = run_ingest([corpus], apart, embedder)
     assert first.files_added == 5 and snapshot(one, embedder) == snapshot(apart, embedder)
+    assert len(started_with) == 1 and len(pickle.dumps(started_with[0])) < 4096, started_with
     submitted = []
     real_submit = ProcessPoolExecutor.submit
     monkeypatch.setattr(ProcessPoolExecutor, "submit", lambda pool, *a, **k: submitted.append(a) or real_submit(
