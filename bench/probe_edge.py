@@ -33,7 +33,8 @@ def big_document_ingest(tmp: Path) -> dict:
     from app.core.embedder import Embedder
     from app.core.settings import Settings
     from ingest.loaders import load_file
-    from ingest.pipeline import chunker_for, run_ingest
+    from ingest.pipeline import run_ingest
+    from ingest.preparing import chunker_for
 
     docs = tmp / "big"
     docs.mkdir()

@@ -81,6 +81,7 @@ def test_a_large_file_on_one_thread_is_planned_in_blocks_and_stored_as_planned_w
     """On a small machine (one loading thread) a large jsonl file is loaded once and planned a block of its
     records at a time, so writing starts before it is all chunked: the rows are those of the file planned whole."""
     import ingest.pipeline
+    import ingest.preparing
 
     corpus = write_corpus(tmp_path / "corpus")
     whole, blocks = settings_factory(path=tmp_path / "whole"), settings_factory(path=tmp_path / "blocks")
@@ -90,8 +91,8 @@ def test_a_large_file_on_one_thread_is_planned_in_blocks_and_stored_as_planned_w
     real_plan = ingest.pipeline.plan
     monkeypatch.setattr(ingest.pipeline, "plan", lambda result, *a: planned.append(
         (result.rel, len(result.documents))) or real_plan(result, *a))
-    monkeypatch.setattr(ingest.pipeline, "SLICE_FROM_BYTES", (corpus / "animals.jsonl").stat().st_size)
-    monkeypatch.setattr(ingest.pipeline, "BLOCK_BYTES", -(-(corpus / "animals.jsonl").stat().st_size // 2))
+    monkeypatch.setattr(ingest.preparing, "SLICE_FROM_BYTES", (corpus / "animals.jsonl").stat().st_size)
+    monkeypatch.setattr(ingest.preparing, "BLOCK_BYTES", -(-(corpus / "animals.jsonl").stat().st_size // 2))
     report = run_ingest([corpus], blocks, embedder)
     assert report.files_added == 5 and snapshot(blocks, embedder) == snapshot(whole, embedder)
     records = len((corpus / "animals.jsonl").read_text().splitlines())
@@ -423,8 +424,8 @@ def test_chunking_processes_store_what_one_thread_stores(tmp_path, settings_fact
     corpus = write_corpus(tmp_path / "corpus")
     one, apart = settings_factory(path=tmp_path / "one"), settings_factory(path=tmp_path / "apart")
     apart.ingest.chunk_workers = 2
-    monkeypatch.setattr("ingest.pipeline.PROCESSES_FROM_BYTES", 0)  # this small corpus too
-    monkeypatch.setattr("ingest.pipeline.SLICE_FROM_BYTES", 0)  # and its jsonl file chunked in slices
+    monkeypatch.setattr("ingest.preparing.PROCESSES_FROM_BYTES", 0)  # this small corpus too
+    monkeypatch.setattr("ingest.preparing.SLICE_FROM_BYTES", 0)  # and its jsonl file chunked in slices
     assert apart.ingest.chunk_processes() == 2 and one.ingest.chunk_processes() == 0  # auto: none on 2 cores
     run_ingest([corpus], one, embedder)
     started_with = []
@@ -457,7 +458,7 @@ def test_a_section_that_fits_one_chunk_is_cut_as_the_splitter_would_cut_it(setti
     """The chunker's short cut (one token count for a section that fits) stores exactly what langchain's splitter
     makes of it: the same text, stripped, at the same offset."""
     from ingest.documents import SourceDocument, sections_from_blocks
-    from ingest.pipeline import chunker_for
+    from ingest.preparing import chunker_for
 
     chunker = chunker_for(settings_factory(), embedder)
     for text in ["Padded short text.", "One paragraph.\n\n\n\nAnother, after blank lines.", "x " * 150]:
