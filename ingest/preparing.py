@@ -47,6 +47,7 @@ def document_hash(document: SourceDocument, identity: str) -> str:
 def is_unchanged(stored: StoredDocument | None, doc_hash: str) -> bool:
     return stored is not None and stored.doc_hash == doc_hash and stored.complete
 
+
 def plan(result: FileResult, stored: dict[str, StoredDocument], chunker: Callable[[], Chunker],
          identity: str) -> FileResult:
     """Hash each loaded document and chunk the changed ones (worker thread: reads ``stored``, writes nothing)."""
