@@ -12,8 +12,9 @@ it, of a ``chroma run`` server started here (or on disk with ``--on-disk``), it 
 - **memory and disk**: the server's resident memory (this process's with ``--on-disk``) and the store's bytes.
 
 With ``--write-parts N``, first: rows/s of N such rows written into fresh collections with less of each row (the
-vectors alone; with their metadata; with their texts too, as ingest writes), and once more with a schema that turns
-the texts' full-text index off (the service never searches Chroma's full text): what a write costs, by part.
+vectors alone; with their metadata; with their texts too, as ingest writes), once more with a schema that turns
+the texts' full-text index off (the service never searches Chroma's full text), and with each text a metadata
+value instead of a document: what a write costs, by part.
 
     python -m bench.chroma_growth --from-chroma /tmp/bs-work/chroma --from-collection scale \\
         --sizes 50000,100000,200000 --out bench/results/chroma-growth-cpu.json
@@ -39,6 +40,7 @@ WRITE_BATCH = 256  # ingest's default write batch
 PARTS = {"vectors": ("embeddings",), "vectors, metadata": ("embeddings", "metadatas"),
          "vectors, metadata, texts": ("embeddings", "metadatas", "documents")}
 NO_FULL_TEXT = "vectors, metadata, texts; full-text index off in the schema"
+TEXT_AS_METADATA = "vectors, metadata with the text as one more key, no texts"  # no full-text index to fill
 JITTER = 0.05  # noise per dimension before renormalising: copies stay near their source, not on it
 
 
@@ -99,28 +101,38 @@ def grow(collection: Any, source: dict[str, Any], start: int, stop: int, rng: np
     return (stop - start) / (time.perf_counter() - began)
 
 
-def write_parts(client: Any, source: dict[str, Any], rows: int, rng: np.random.Generator) -> dict[str, float]:
+def write_parts(client: Any, source: dict[str, Any], rows: int, rng: np.random.Generator) -> dict[str, Any]:
     """Rows/s of ``rows`` rows upserted into a fresh collection for each of ``PARTS`` (the fields written), and
-    with every field under a schema whose full-text index on the texts is off (``NO_FULL_TEXT``)."""
+    with every field under a schema whose full-text index on the texts is off (``NO_FULL_TEXT``), and with each
+    text a metadata value instead (``TEXT_AS_METADATA``: a layout that never fills the full-text index). Then
+    the seconds a read of every row's metadata takes in each (what pre-warm's plan and the sources list read)."""
     from chromadb.api.types import FtsIndexConfig, Schema, VectorIndexConfig
 
-    from app.core.store import CONFIGURATION, SPACE
+    from app.core.store import CONFIGURATION, SPACE, all_rows
 
     batches = list(copies(source, 0, rows, rng))  # made before the clock starts: only the writes are timed
+    for batch in batches:
+        batch["metadatas_with_text"] = [meta | {"text": text}
+                                        for meta, text in zip(batch["metadatas"], batch["documents"], strict=True)]
     no_full_text = Schema().delete_index(FtsIndexConfig(), key="#document").create_index(
         VectorIndexConfig(space=SPACE))
     plans: list[tuple[str, tuple[str, ...], dict[str, Any]]] = [
         (name, fields, {"configuration": CONFIGURATION}) for name, fields in PARTS.items()]
     plans.append((NO_FULL_TEXT, PARTS["vectors, metadata, texts"], {"schema": no_full_text}))
+    plans.append((TEXT_AS_METADATA, ("embeddings", "metadatas_with_text"), {"configuration": CONFIGURATION}))
     rates: dict[str, float] = {}
+    metadata_read_s: dict[str, float] = {}
     for number, (name, fields, made_with) in enumerate(plans):
         collection = client.create_collection(f"parts-{number}", embedding_function=None, **made_with)
         began = time.perf_counter()
         for batch in batches:
-            collection.upsert(ids=batch["ids"], **{field: batch[field] for field in fields})
+            collection.upsert(ids=batch["ids"], **{field.removesuffix("_with_text"): batch[field] for field in fields})
         rates[name] = round(rows / (time.perf_counter() - began), 1)
+        began = time.perf_counter()
+        sum(len(page["ids"]) for page in all_rows(collection, ["metadatas"]))
+        metadata_read_s[name] = round(time.perf_counter() - began, 3)
         client.delete_collection(f"parts-{number}")
-    return rates
+    return {"rows_per_s": rates, "metadata_read_s": metadata_read_s}
 
 
 def query_latency(open_collection: Any, source: dict[str, Any], concurrency: int, queries: int, k: int,
@@ -173,8 +185,7 @@ def measure(args: argparse.Namespace, argv: list[str] | None, settings: Any, ser
                               else "chroma run", "k": args.k, "steps": [],
                               "command": command_line("bench.chroma_growth", argv), "environment": environment()}
     if args.write_parts:
-        result["write_parts"] = {"rows": args.write_parts,
-                                 "rows_per_s": write_parts(client, source, args.write_parts, rng)}
+        result["write_parts"] = {"rows": args.write_parts} | write_parts(client, source, args.write_parts, rng)
         print(f"writes by part: {result['write_parts']}", flush=True)
     grown = 0
     for size in sorted(int(n) for n in args.sizes.split(",")):

@@ -215,8 +215,10 @@ def test_chroma_growth_copies_a_stores_rows_into_a_served_collection_and_measure
                  "--write-parts", "300", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
     assert result["store"] == "chroma run" and [step["rows"] for step in result["steps"]] == [300, 600]
-    assert result["write_parts"]["rows"] == 300 and len(result["write_parts"]["rows_per_s"]) == 4
-    assert all(rate > 0 for rate in result["write_parts"]["rows_per_s"].values())
+    parts = result["write_parts"]
+    assert parts["rows"] == 300 and len(parts["rows_per_s"]) == 5
+    assert set(parts["metadata_read_s"]) == set(parts["rows_per_s"])
+    assert all(rate > 0 for rate in parts["rows_per_s"].values())
     for step in result["steps"]:
         assert step["writes_per_s"] > 0 and step["resident_mib"] > 50 and step["disk_mib"] > 0
         assert set(step["queries"]) == {"c1", "c2"} and all(cell["p50"] > 0 for cell in step["queries"].values())
