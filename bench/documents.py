@@ -79,6 +79,7 @@ def chroma_delete_seconds(rows: int, others: int, tmp: Path) -> float:
     import numpy as np
     from chromadb.config import Settings as ChromaConfig
 
+    from app.core.records import TEXT_KEY
     from app.core.store import CONFIGURATION
 
     client = chromadb.PersistentClient(str(tmp / "alone"), settings=ChromaConfig(anonymized_telemetry=False))
@@ -87,8 +88,8 @@ def chroma_delete_seconds(rows: int, others: int, tmp: Path) -> float:
     for start in range(0, rows + others, 5000):
         span = range(start, min(start + 5000, rows + others))
         collection.add(ids=[f"row-{i}" for i in span], embeddings=vectors[span.start:span.stop],
-                       metadatas=[{"doc_id": "big" if i < rows else f"doc-{i}"} for i in span],
-                       documents=["a chunk of text " * 40] * len(span))
+                       metadatas=[{"doc_id": "big" if i < rows else f"doc-{i}", TEXT_KEY: "a chunk of text " * 40}
+                                  for i in span])
     started = time.perf_counter()
     collection.delete(ids=collection.get(where={"doc_id": "big"}, include=[])["ids"])
     return time.perf_counter() - started

@@ -31,11 +31,12 @@ def corpus_bytes(root: Path) -> int:
 
 def stored_texts(collection: Any, limit: int | None = None) -> list[str]:
     """The collection's distinct texts (ingest embeds each once), read a page at a time; the first ``limit``."""
+    from app.core.records import row_text
     from app.core.store import all_rows
 
     texts: dict[str, None] = {}
-    for page in all_rows(collection, ["documents"]):
-        texts.update(dict.fromkeys(page["documents"]))
+    for page in all_rows(collection, ["documents", "metadatas"]):
+        texts.update(dict.fromkeys(map(row_text, page["metadatas"], page["documents"])))
         if limit is not None and len(texts) >= limit:
             break
     return list(texts)[:limit]

@@ -5,11 +5,12 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from itertools import repeat
 from typing import Any
 
 import numpy as np
 
-from app.core.records import ChunkRecord
+from app.core.records import TEXT_KEY, ChunkRecord, row_text, without_text
 from app.core.seams import Embedder
 from app.core.store import StoreError
 from ingest.chunking import Chunk
@@ -107,7 +108,7 @@ class ChunkWriter:
         rows: dict[str, list[Any]] = {
             "ids": [chunk.chunk_id for _, chunk, _ in batch],
             "embeddings": [self.vectors[chunk.content_hash] for _, chunk, _ in batch],
-            "documents": [chunk.text for _, chunk, _ in batch], "metadatas": [meta for _, _, meta in batch]}
+            "metadatas": [meta | {TEXT_KEY: chunk.text} for _, chunk, meta in batch]}
         self._settled()
         if not self.dry_run:
             self._changing()
@@ -184,13 +185,14 @@ class ChunkWriter:
         stored: dict[str, tuple[dict[str, Any], str]] = {}
         for batch in self._batches([chunk_id for group, _ in queued for chunk_id in group]):
             rows = self.collection.get(ids=batch, include=["metadatas", "documents"] if with_text else ["metadatas"])
-            stored.update(zip(rows["ids"], zip(rows["metadatas"], rows["documents"] or [""] * len(rows["ids"]))))
+            stored.update((i, (without_text(meta), row_text(meta, text)))
+                          for i, meta, text in zip(rows["ids"], rows["metadatas"], rows["documents"] or repeat(None)))
         merged: dict[str, dict[str, Any]] = {}
         for group, changes in queued:
             found = [chunk_id for chunk_id in group if chunk_id in stored]
             if changes is None:
                 changes = {"parent_chars": sum(len(stored[chunk_id][1]) for chunk_id in found)}
-            for chunk_id in found:
+            for chunk_id in found:  # Chroma merges what an update names into the row: its text stays as it is
                 merged[chunk_id] = merged.get(chunk_id, stored[chunk_id][0]) | changes
             self.report.chunks_relabeled += len(group)
         for batch in self._batches(list(merged)):

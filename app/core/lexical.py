@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from app.core.records import ChunkRecord
+from app.core.records import ChunkRecord, row_text
 from app.core.seams import Collection
 from app.core.settings import ChromaSettings
 from app.core.store import all_rows, derived_dir, stamp_of
@@ -103,7 +103,8 @@ class LexicalRows:
 
     def add(self, rows: dict[str, Any]) -> None:
         self.ids += rows["ids"]
-        self.tokens += tokenize(rows["documents"]) if rows["ids"] else []
+        texts = [row_text(meta, text) for meta, text in zip(rows["metadatas"], rows["documents"], strict=True)]
+        self.tokens += tokenize(texts) if texts else []
         self.sources += [ChunkRecord.from_metadata(meta).source for meta in rows["metadatas"]]
 
     def index(self, generation: str) -> LexicalIndex:

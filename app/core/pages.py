@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from app.core.records import ChunkRecord
+from app.core.records import ChunkRecord, row_text
 from app.core.seams import Collection
 from app.core.settings import ChromaSettings, PageSettings
 from app.core.store import all_rows, derived_dir, stamp_of
@@ -73,7 +73,7 @@ class ParentSums:
         for vector, meta, text in zip(rows["embeddings"], rows["metadatas"], rows["documents"]):
             parent = ChunkRecord.from_metadata(meta).parent_key
             self.sums[parent] = self.sums.get(parent, 0.0) + np.asarray(vector, dtype=np.float64)
-            self.chars[parent] = self.chars.get(parent, 0) + len(text or "")
+            self.chars[parent] = self.chars.get(parent, 0) + len(row_text(meta, text))
 
     def parents(self) -> Parents:
         keys = sorted(self.sums)

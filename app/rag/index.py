@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 
 from app.core import inventory, lexical, pages, withdrawals
 from app.core.errors import StoreUnavailable
-from app.core.records import ChunkRecord
+from app.core.records import ChunkRecord, row_text, without_text
 from app.core.settings import ChromaSettings, PageSettings, RetrievalSettings
 from app.core.store import StoreError, all_rows, forget_clients, open_collection, read_generation, stamp_of
 from app.rag.context import ContextChunk
@@ -263,7 +263,8 @@ class CollectionIndex:
             return kept
         with chroma_errors("read"):
             page = self.collection.get(ids=missing, include=["documents", "metadatas"])
-        fresh = {i: (text, meta) for i, text, meta in zip(page["ids"], page["documents"], page["metadatas"])}
+        fresh = {i: (row_text(meta, text), without_text(meta))
+                 for i, text, meta in zip(page["ids"], page["documents"], page["metadatas"]) if meta is not None}
         with self._rows_lock:
             if opened == self._opened:  # not reopened meanwhile: what was read is still the collection's
                 self._rows.update(fresh)
@@ -303,8 +304,8 @@ def _next_chunks(rows: Iterator[dict[str, Any]], texts: bool) -> list[ContextChu
     page = next(rows, None)
     if page is None:
         return None
-    documents = page["documents"] if texts else [""] * len(page["ids"])
-    return [to_chunk(i, text, meta, retrieved=False)
+    documents = page["documents"] if texts else [None] * len(page["ids"])
+    return [to_chunk(i, row_text(meta, text) if texts else "", meta, retrieved=False)
             for i, text, meta in zip(page["ids"], documents, page["metadatas"], strict=True)]
 
 

@@ -10,6 +10,7 @@ from functools import cached_property
 from typing import Any
 
 from app.core.lexical import LexicalIndex
+from app.core.records import row_text
 from app.core.settings import ChromaSettings, PageSettings, RetrievalSettings
 from app.rag.context import ContextChunk
 from app.rag.index import CollectionIndex, to_chunk
@@ -122,8 +123,8 @@ class Retriever:
         rows = zip(found["ids"][0], found["documents"][0], found["metadatas"][0], found["distances"][0])
         # A handle opened before another process deleted rows (a reload still opening the store) finds their ids
         # in its vector index with no row behind them: left out.
-        present = [row for row in rows if row[1] is not None and row[2] is not None]
-        return [to_chunk(chunk_id, text, meta, 1.0 - distance, rank)
+        present = [row for row in rows if row[2] is not None]
+        return [to_chunk(chunk_id, row_text(meta, text), meta, 1.0 - distance, rank)
                 for rank, (chunk_id, text, meta, distance) in enumerate(present)]
 
     def _vector(self, question: str, vector: list[float] | None) -> list[float]:

@@ -86,6 +86,43 @@ def test_a_chunk_deleted_after_the_index_was_built_is_left_out_not_an_error(tmp_
     retriever.index.close()
 
 
+def test_rows_hold_their_text_in_metadata_and_a_store_with_texts_as_documents_reads_the_same(tmp_path, embedder):
+    """Ingest writes each chunk's text as a metadata value, not as Chroma's document (single-node Chroma indexes
+    every document for a full-text search the service never makes). A store written before, its texts as
+    documents, ranks and reads the same: the texts, BM25 built from its rows, the pages' parents."""
+    from app.core import pages
+    from app.core.records import TEXT_KEY
+    from ingest.pipeline import run_ingest
+    from tests.support.corpora import collection_of
+    from tests.support.env import ROOT
+
+    settings = app_settings(tmp_path / "chroma", "http://unused/v1", collection="docs")
+    run_ingest([ROOT / "examples" / "docs"], settings, embedder)
+    collection = collection_of(settings, embedder)
+    rows = collection.get(include=["documents", "metadatas", "embeddings"])
+    assert rows["ids"] and all(document is None for document in rows["documents"])
+    assert all(meta[TEXT_KEY].strip() for meta in rows["metadatas"])
+    questions = [IDENTIFIER, "How does pre-warm avoid delaying users?", "What does /readyz report?"]
+
+    def read(layout: str) -> tuple[list, list, list]:
+        settings.chroma.lexical_dir = tmp_path / f"bm25-{layout}"  # none saved there: built from the rows
+        retriever = Retriever.over(embedder, settings.chroma, ThreadPoolExecutor(1), settings.retrieval)
+        retriever.index.lexical_index(wait=True)
+        found = [[(c.id, c.text) for c in retriever.retrieve_sync(q, 5, mode=mode)]
+                 for q in questions for mode in ("dense", "lexical", "hybrid")]
+        retriever.index.close()
+        parents = pages.read_parents(collection_of(settings, embedder))
+        return found, list(parents.keys), parents.tokens.tolist()
+
+    written = read("text-in-metadata")
+    texts = [meta[TEXT_KEY] for meta in rows["metadatas"]]
+    collection.update(ids=rows["ids"], embeddings=rows["embeddings"], documents=texts,
+                      metadatas=[{TEXT_KEY: None}] * len(texts))  # None: the key goes
+    before = collection.get(include=["documents", "metadatas"])
+    assert before["documents"] == texts and not any(TEXT_KEY in meta for meta in before["metadatas"])
+    assert read("text-as-document") == written and all(text for ranking in written[0] for _, text in ranking)
+
+
 # A stand-in for jax (not installed on CPU machines; on GPU machines it often is, and bm25s then uses it): it logs
 # the platform it was given and every top-k it is asked for.
 JAX_STUB = """import os
