@@ -2,9 +2,10 @@
 
 The rows come from a store that ingest made (``--from-chroma``, e.g. ``bench.scale``'s work store): their texts and
 metadata as they are, their vectors jittered (seeded Gaussian noise, renormalised), under new ids, copied again
-until each ``--sizes`` is reached. So the rows are what the service stores (15 metadata keys, real chunk texts)
-and the vectors keep the real ones' clusters, without an encoder's hours. Into a collection made as ingest makes
-it, of a ``chroma run`` server started here (or on disk with ``--on-disk``), it measures at each size:
+until each ``--sizes`` is reached. So the rows are what the service stores (15 metadata keys, real chunk texts as
+one more metadata value) and the vectors keep the real ones' clusters, without an encoder's hours. Into a
+collection made as ingest makes it, of a ``chroma run`` server started here (or on disk with ``--on-disk``), it
+measures at each size:
 
 - **writes**: rows/s of the upserts that grew it, in ingest's write batches;
 - **queries**: the service's dense query (k results with texts, metadata and distances), vectors of stored rows
@@ -12,9 +13,9 @@ it, of a ``chroma run`` server started here (or on disk with ``--on-disk``), it 
 - **memory and disk**: the server's resident memory (this process's with ``--on-disk``) and the store's bytes.
 
 With ``--write-parts N``, first: rows/s of N such rows written into fresh collections with less of each row (the
-vectors alone; with their metadata; with their texts too, as ingest writes), once more with a schema that turns
-the texts' full-text index off (the service never searches Chroma's full text), and with each text a metadata
-value instead of a document: what a write costs, by part.
+vectors alone; with their metadata; with their texts too, as documents, as ingest wrote them before), once more with
+a schema that turns the texts' full-text index off (the service never searches Chroma's full text), and with each
+text a metadata value instead of a document, as ingest writes them now: what a write costs, by part.
 
     python -m bench.chroma_growth --from-chroma /tmp/bs-work/chroma --from-collection scale \\
         --sizes 50000,100000,200000 --out bench/results/chroma-growth-cpu.json
@@ -40,7 +41,7 @@ WRITE_BATCH = 256  # ingest's default write batch
 PARTS = {"vectors": ("embeddings",), "vectors, metadata": ("embeddings", "metadatas"),
          "vectors, metadata, texts": ("embeddings", "metadatas", "documents")}
 NO_FULL_TEXT = "vectors, metadata, texts; full-text index off in the schema"
-TEXT_AS_METADATA = "vectors, metadata with the text as one more key, no texts"  # no full-text index to fill
+TEXT_AS_METADATA = "vectors, metadata with the text as one more key, no texts"  # as ingest writes since
 JITTER = 0.05  # noise per dimension before renormalising: copies stay near their source, not on it
 
 
@@ -65,7 +66,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def source_rows(path: Path, collection: str) -> dict[str, Any]:
-    """Every row of the source store: vectors (float32), texts, metadata."""
+    """Every row of the source store: vectors (float32), texts, metadata less the text (a store written before the
+    texts moved into the metadata holds them as documents)."""
+    from app.core.records import row_text, without_text
     from app.core.store import all_rows
 
     source = stored_collection(path, collection)
@@ -73,8 +76,9 @@ def source_rows(path: Path, collection: str) -> dict[str, Any]:
     for page in all_rows(source, list(rows)):
         for key in rows:
             rows[key].extend(page[key])
-    return {"vectors": np.asarray(rows["embeddings"], dtype=np.float32), "documents": rows["documents"],
-            "metadatas": rows["metadatas"]}
+    return {"vectors": np.asarray(rows["embeddings"], dtype=np.float32),
+            "documents": list(map(row_text, rows["metadatas"], rows["documents"])),
+            "metadatas": [without_text(meta) for meta in rows["metadatas"]]}
 
 
 def jittered(vectors: np.ndarray, rng: np.random.Generator) -> np.ndarray:
@@ -83,21 +87,25 @@ def jittered(vectors: np.ndarray, rng: np.random.Generator) -> np.ndarray:
 
 
 def copies(source: dict[str, Any], start: int, stop: int, rng: np.random.Generator) -> Iterator[dict[str, Any]]:
-    """Rows ``start``..``stop`` of the grown collection, a write batch at a time: row n is source row n mod size."""
+    """Rows ``start``..``stop`` of the grown collection, a write batch at a time: row n is source row n mod size;
+    each with its text as a document and, apart, its metadata with the text in it (``metadatas_with_text``)."""
+    from app.core.records import TEXT_KEY
+
     size = len(source["documents"])
     for first in range(start, stop, WRITE_BATCH):
         picks = [n % size for n in range(first, min(first + WRITE_BATCH, stop))]
         yield {"ids": [f"grown-{first + i}" for i in range(len(picks))],
                "embeddings": jittered(source["vectors"][picks], rng),
                "documents": [source["documents"][p] for p in picks],
-               "metadatas": [source["metadatas"][p] for p in picks]}
+               "metadatas": [source["metadatas"][p] for p in picks],
+               "metadatas_with_text": [source["metadatas"][p] | {TEXT_KEY: source["documents"][p]} for p in picks]}
 
 
 def grow(collection: Any, source: dict[str, Any], start: int, stop: int, rng: np.random.Generator) -> float:
-    """Rows/s of the upserts from ``start`` to ``stop``."""
+    """Rows/s of the upserts from ``start`` to ``stop``, written as ingest writes them."""
     began = time.perf_counter()
     for batch in copies(source, start, stop, rng):
-        collection.upsert(**batch)
+        collection.upsert(ids=batch["ids"], embeddings=batch["embeddings"], metadatas=batch["metadatas_with_text"])
     return (stop - start) / (time.perf_counter() - began)
 
 
@@ -111,9 +119,6 @@ def write_parts(client: Any, source: dict[str, Any], rows: int, rng: np.random.G
     from app.core.store import CONFIGURATION, SPACE, all_rows
 
     batches = list(copies(source, 0, rows, rng))  # made before the clock starts: only the writes are timed
-    for batch in batches:
-        batch["metadatas_with_text"] = [meta | {"text": text}
-                                        for meta, text in zip(batch["metadatas"], batch["documents"], strict=True)]
     no_full_text = Schema().delete_index(FtsIndexConfig(), key="#document").create_index(
         VectorIndexConfig(space=SPACE))
     plans: list[tuple[str, tuple[str, ...], dict[str, Any]]] = [

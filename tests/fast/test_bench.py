@@ -227,6 +227,7 @@ def test_chroma_growth_copies_a_stores_rows_into_a_served_collection_and_measure
     grown = store.get_collection("growth")
     rows = grown.get(ids=["grown-0", "grown-599"], include=["embeddings", "metadatas"])
     assert grown.count() == 600 and len(rows["ids"]) == 2 and rows["metadatas"][0]["doc_id"]
+    assert rows["metadatas"][0]["text"].strip(), "grown as ingest writes: the text among the metadata"
     assert abs(float(np.linalg.norm(rows["embeddings"][0])) - 1) < 1e-3 and out.with_suffix(".png").exists()
 
 
