@@ -2,7 +2,9 @@
 before the engine sees it, by prompt length. The same prompt, already in the prefix cache, is sent as a chat
 (``/v1/chat/completions``: the server renders the template and tokenizes) and as its token ids
 (``/v1/completions``: it does neither), one token each; the difference of the medians is the front end's cost.
-Then both again through the app's own vLLM client, as token-id prompts send them (``app.vllm.prompt_ids``)."""
+Then both again through the app's own vLLM client, as token-id prompts send them (``app.vllm.prompt_ids``). Where
+vLLM runs on this machine, last, the CPU time each of its processes spends per token-id request: what a long
+prompt costs vLLM's own processes even when all of it is cached."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -65,7 +68,42 @@ async def via_app(url: str, model: str, messages: list[dict], ids: list[int], re
     return timings
 
 
-def measure(client: httpx.Client, model: str, text: str, tokens: int, repeats: int) -> dict:
+def vllm_processes(url: str) -> dict[str, Any]:
+    """vLLM's processes on this machine, by role: the one listening on ``url``'s port (the API server) and its
+    descendants by process title (``VLLM::EngineCore``, ``VLLM::Worker``...); empty where vLLM runs elsewhere."""
+    import psutil
+
+    port = httpx.URL(url).port
+    listening = [c.pid for c in psutil.net_connections("tcp") if c.laddr and c.laddr.port == port and c.pid
+                 and c.status == psutil.CONN_LISTEN]
+    if not listening:
+        return {}
+    server = psutil.Process(listening[0])
+    found: dict[str, Any] = {"api_server": server}
+    for child in server.children(recursive=True):
+        title = (child.cmdline() or [child.name()])[0]
+        if title.startswith("VLLM::"):
+            found.setdefault(title, child)
+    return found
+
+
+def cpu_ms_per_request(client: httpx.Client, body: dict, processes: dict[str, Any], repeats: int) -> dict[str, float]:
+    """CPU time (all threads, to the nanosecond: the kernel's schedstat, not its 10 ms ticks) each of vLLM's
+    processes spends per token-id request, ``repeats`` in a row. A worker that spins while it waits counts that
+    wait too."""
+    def cpu_s() -> dict[str, float]:
+        return {role: sum(int(task.read_text().split()[0]) for task in Path(f"/proc/{process.pid}/task").glob(
+            "*/schedstat")) / 1e9 for role, process in processes.items()}
+
+    before = cpu_s()
+    for _ in range(repeats):
+        client.post("/v1/completions", json=body).raise_for_status()
+    after = cpu_s()
+    return {role: round((after[role] - before[role]) / repeats * 1000, 2) for role in processes}
+
+
+def measure(client: httpx.Client, model: str, text: str, tokens: int, repeats: int,
+            processes: dict[str, Any] | None = None) -> dict:
     messages = [{"role": "system", "content": text[:tokens * 4]}, {"role": "user", "content": QUESTION}]
     ids = client.post("/tokenize", json={"model": model, "messages": messages}).json()["tokens"]
     chat = {"model": model, "messages": messages, "max_tokens": 1}
@@ -78,9 +116,12 @@ def measure(client: httpx.Client, model: str, text: str, tokens: int, repeats: i
         timings["tokenize"].append(timed_ms(client, "/tokenize", {"model": model, "messages": messages}))
     timings |= asyncio.run(via_app(str(client.base_url).rstrip("/"), model, messages, ids, repeats))
     medians = {name: round(statistics.median(values), 2) for name, values in timings.items()}
-    return {"prompt_tokens": len(ids), "median_ms": medians,
-            "front_end_ms": round(medians["chat"] - medians["token_ids"], 2),
-            "saved_through_the_app_ms": round(medians["app_chat"] - medians["app_token_ids"], 2)}
+    row = {"prompt_tokens": len(ids), "median_ms": medians,
+           "front_end_ms": round(medians["chat"] - medians["token_ids"], 2),
+           "saved_through_the_app_ms": round(medians["app_chat"] - medians["app_token_ids"], 2)}
+    if processes:
+        row["token_ids_cpu_ms_per_request"] = cpu_ms_per_request(client, ids_only, processes, repeats)
+    return row
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -96,7 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     text = passages_text(args.passages, max(sizes) * 4)
     with httpx.Client(base_url=args.vllm_url.rstrip("/"), timeout=120) as client:
         model = client.get("/v1/models").json()["data"][0]["id"]
-        rows = [measure(client, model, text, size, args.repeats) for size in sizes]
+        processes = vllm_processes(args.vllm_url)
+        rows = [measure(client, model, text, size, args.repeats, processes) for size in sizes]
     for row in rows:
         print(json.dumps(row), flush=True)
     payload = {"command": command_line("bench.frontend_cost", argv), "model": model,
