@@ -57,22 +57,6 @@ def test_harness_end_to_end_on_a_tiny_slice(tmp_path, vllm_url):
 
 
 @pytest.mark.vllm
-def test_frontend_cost_times_each_way_and_the_cpu_each_of_vllms_processes_spends_per_request(tmp_path, vllm_url):
-    from bench.frontend_cost import main
-
-    data = tiny_squad(tmp_path / "tiny")
-    out = tmp_path / "frontend.json"
-    assert main(["--vllm-url", vllm_url.removesuffix("/v1"), "--passages", str(data / "passages.jsonl"),
-                 "--tokens", "100,600", "--repeats", "3", "--out", str(out)]) == 0
-    rows = json.loads(out.read_text())["rows"]
-    assert len(rows) == 2 and 0 < rows[0]["prompt_tokens"] < rows[1]["prompt_tokens"]
-    for row in rows:
-        assert all(ms > 0 for ms in row["median_ms"].values())
-        cpu = row["token_ids_cpu_ms_per_request"]  # the test server runs here: its processes are found
-        assert {"api_server", "VLLM::EngineCore"} <= set(cpu) and cpu["api_server"] > 0, cpu
-
-
-@pytest.mark.vllm
 def test_long_context_compares_naive_filling_a_books_budget_with_prefixrag_on_whole_books(tmp_path, vllm_url):
     from bench.long_context import main
     from bench.report import report
