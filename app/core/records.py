@@ -51,8 +51,8 @@ class ChunkRecord:
 _FIELDS = tuple(f.name for f in fields(ChunkRecord))
 
 # The chunk's text is a metadata value, not Chroma's document: single-node Chroma puts every document into a
-# full-text index the service never searches, and writing it cost ~40 % of each row's write (bench.chroma_growth,
-# write parts). Rows written before keep their text as the document; readers take it from either place.
+# full-text index the service never searches, a large share of each row's write (bench.chroma_growth's write
+# parts have the figures). Rows written before keep their text as the document; readers take it from either place.
 TEXT_KEY = "text"
 
 

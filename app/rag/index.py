@@ -304,9 +304,9 @@ def _next_chunks(rows: Iterator[dict[str, Any]], texts: bool) -> list[ContextChu
     page = next(rows, None)
     if page is None:
         return None
-    documents = page["documents"] if texts else [None] * len(page["ids"])
-    return [to_chunk(i, row_text(meta, text) if texts else "", meta, retrieved=False)
-            for i, text, meta in zip(page["ids"], documents, page["metadatas"], strict=True)]
+    read = list(map(row_text, page["metadatas"], page["documents"])) if texts else [""] * len(page["ids"])
+    return [to_chunk(i, text, meta, retrieved=False)
+            for i, text, meta in zip(page["ids"], read, page["metadatas"], strict=True)]
 
 
 def to_chunk(chunk_id: str, text: str, meta: dict[str, Any], score: float = 0.0, rank: int = 0,
