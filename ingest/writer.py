@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from app.core.records import TEXT_KEY, ChunkRecord, row_text, without_text
+from app.core.records import TEXT_KEY, ChunkRecord, split_row
 from app.core.seams import Embedder
 from app.core.store import StoreError
 from ingest.chunking import Chunk
@@ -182,18 +182,18 @@ class ChunkWriter:
         self._settled()
         self._changing()
         with_text = any(changes is None for _, changes in queued)
-        stored: dict[str, tuple[dict[str, Any], str]] = {}
+        stored: dict[str, tuple[str, dict[str, Any]]] = {}
         for batch in self._batches([chunk_id for group, _ in queued for chunk_id in group]):
             rows = self.collection.get(ids=batch, include=["metadatas", "documents"] if with_text else ["metadatas"])
-            stored.update((i, (without_text(meta), row_text(meta, text)))
+            stored.update((i, split_row(meta, text))
                           for i, meta, text in zip(rows["ids"], rows["metadatas"], rows["documents"] or repeat(None)))
         merged: dict[str, dict[str, Any]] = {}
         for group, changes in queued:
             found = [chunk_id for chunk_id in group if chunk_id in stored]
             if changes is None:
-                changes = {"parent_chars": sum(len(stored[chunk_id][1]) for chunk_id in found)}
+                changes = {"parent_chars": sum(len(stored[chunk_id][0]) for chunk_id in found)}
             for chunk_id in found:  # Chroma merges what an update names into the row: its text stays as it is
-                merged[chunk_id] = merged.get(chunk_id, stored[chunk_id][0]) | changes
+                merged[chunk_id] = merged.get(chunk_id, stored[chunk_id][1]) | changes
             self.report.chunks_relabeled += len(group)
         for batch in self._batches(list(merged)):
             self.collection.update(ids=batch, metadatas=[merged[chunk_id] for chunk_id in batch])

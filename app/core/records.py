@@ -67,6 +67,11 @@ def without_text(meta: dict[str, Any]) -> dict[str, Any]:
     return {key: value for key, value in meta.items() if key != TEXT_KEY} if TEXT_KEY in meta else meta
 
 
+def split_row(meta: dict[str, Any], document: str | None) -> tuple[str, dict[str, Any]]:
+    """A row as its text and its metadata less the text: how rows are held once read."""
+    return row_text(meta, document), without_text(meta)
+
+
 def sha256(*parts: str) -> str:
     """The hash of ``parts`` joined by a separator: ("ab", "c") and ("a", "bc") hash apart."""
     digest = hashlib.sha256()

@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 
 from app.core import inventory, lexical, pages, withdrawals
 from app.core.errors import StoreUnavailable
-from app.core.records import ChunkRecord, row_text, without_text
+from app.core.records import ChunkRecord, row_text, split_row
 from app.core.settings import ChromaSettings, PageSettings, RetrievalSettings
 from app.core.store import StoreError, all_rows, forget_clients, open_collection, read_generation, stamp_of
 from app.rag.context import ContextChunk
@@ -263,7 +263,7 @@ class CollectionIndex:
             return kept
         with chroma_errors("read"):
             page = self.collection.get(ids=missing, include=["documents", "metadatas"])
-        fresh = {i: (row_text(meta, text), without_text(meta))
+        fresh = {i: split_row(meta, text)
                  for i, text, meta in zip(page["ids"], page["documents"], page["metadatas"]) if meta is not None}
         with self._rows_lock:
             if opened == self._opened:  # not reopened meanwhile: what was read is still the collection's

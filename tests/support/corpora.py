@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import random
 
-from app.core.records import row_text, without_text
+from app.core.records import split_row
 from app.core.store import open_collection
 from ingest.pipeline import run_ingest
 from tests.support.env import ROOT
@@ -68,7 +68,7 @@ def collection_of(settings, embedder):
 def snapshot(settings, embedder) -> dict[str, tuple[str, dict]]:
     """Every stored row: its text and its metadata less the text."""
     data = collection_of(settings, embedder).get(include=["documents", "metadatas"])
-    return {i: (row_text(m, d), without_text(m)) for i, d, m in zip(data["ids"], data["documents"], data["metadatas"])}
+    return {i: split_row(m, d) for i, d, m in zip(data["ids"], data["documents"], data["metadatas"])}
 
 
 # Two SQuAD-shaped articles of three passages, with a question per passage and four rephrased (bench tests).
