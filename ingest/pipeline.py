@@ -69,8 +69,12 @@ def run_ingest(roots: list[Path], settings: Settings, embedder: Any, *, prune: b
 
         # Stamped as being written before the first write (services drop what they read of the rows, reload at
         # the end); a Chroma server has no lock to tell a service that the writer died: a plain stamp there.
+        # A run on an empty collection builds the indexes from its own writes as they land: none read back at the end.
+        written = derived.Builders(settings.pages) if collection is not None and not dry_run \
+            and collection.count() == 0 else None
         writer = ChunkWriter(collection, embedder, settings.ingest.write_batch, dry_run, report,
-                             before_first_write=lambda: mark_changed(collection, writing=not settings.chroma.url))
+                             before_first_write=lambda: mark_changed(collection, writing=not settings.chroma.url),
+                             stored=written.add if written is not None else None)
         try:
             with file_preparers(files, settings, (loaded, planned), prepare_apart, unchanged, chunker,
                                 lambda: report.timed("load")) as (submit, depth):
@@ -87,7 +91,7 @@ def run_ingest(roots: list[Path], settings: Settings, embedder: Any, *, prune: b
         final = new_generation() if not dry_run and (report.writes or first_run_running(collection)) else None
         if collection is not None and not dry_run:  # rebuilt only when the collection's stamp moved
             with report.timed("indexes"):
-                derived.save_current(collection, settings.chroma, settings.pages, generation=final)
+                derived.save_current(collection, settings.chroma, settings.pages, generation=final, written=written)
         if final is not None:
             mark_changed(collection, run_ended=True, generation=final)
     report.seconds = round(time.perf_counter() - started, 3)

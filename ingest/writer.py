@@ -32,8 +32,11 @@ def max_write_batch(collection: Any, wanted: int) -> int:
 
 class ChunkWriter:
     def __init__(self, collection: Any, embedder: Embedder, batch: int, dry_run: bool, report: Any,
-                 before_first_write: Callable[[], None] = lambda: None) -> None:
+                 before_first_write: Callable[[], None] = lambda: None,
+                 stored: Callable[[dict[str, list[Any]]], None] | None = None) -> None:
         self.collection, self.embedder = collection, embedder
+        # Called on the writing thread with each write's rows once stored (the indexes built as the run goes).
+        self._stored = stored
         # Called once, before the collection is first changed: the generation stamp moves before any row does,
         # so a run killed mid-way never leaves changed rows under the old stamp (readers rebuild what they keep).
         self._before_first_write: Callable[[], None] | None = before_first_write
@@ -121,6 +124,8 @@ class ChunkWriter:
             self.collection.upsert(**rows)
         except Exception as exc:  # systemic (disk full, server gone): one clear line; a re-run converges
             raise StoreError(f"Chroma refused a write of {len(rows['ids'])} chunks: {exc}") from exc
+        if self._stored is not None:
+            self._stored(rows)
 
     def _written(self, batch: list[tuple[str, Chunk, dict[str, Any]]]) -> None:
         """A batch's write landed: count it, and delete the stale chunks of the documents it completed."""

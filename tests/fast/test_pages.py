@@ -88,6 +88,35 @@ def test_a_writer_saves_bm25_and_pages_from_one_read_of_the_rows_each_as_built_a
     assert lexical.load(folder).ids == saved.ids and pages.load(path).pages
 
 
+def test_a_run_on_an_empty_collection_reads_no_row_back_and_saves_what_a_read_would_build(
+        tmp_path, settings_factory, embedder, monkeypatch):
+    """The first run feeds BM25, the pages and the inventory with its own writes as they land; a later run that
+    changes rows reads them (what it wrote is not the whole collection)."""
+    from app.core import derived, inventory, lexical
+
+    reads = []
+    real = derived.all_rows
+    monkeypatch.setattr(derived, "all_rows", lambda *args, **kwargs: reads.append(1) or real(*args, **kwargs))
+    notes = write_notes(tmp_path / "docs")
+    settings = paged(settings_factory(path=tmp_path / "chroma"))
+    run_ingest([tmp_path / "docs"], settings, embedder)
+    assert reads == []
+    collection = collection_of(settings, embedder)
+    saved, read = lexical.load(lexical.index_dir(settings.chroma)), lexical.build(collection)
+    assert (saved.ids, saved.sources) == (read.ids, read.sources) and len(saved.ids) > 30
+    for question in ("prefix cache", "pages grouped by meaning", "vLLM"):
+        assert saved.search(question, 5) == read.search(question, 5)
+    assert pages.load(pages.path_of(settings.chroma)).pages == pages.build(collection, PAGE_TOKENS).pages
+    listed = inventory.load(inventory.path_of(settings.chroma), stamp_of(collection))
+    assert listed == inventory.stored_documents(collection) and len(listed) == len(notes)
+
+    write_notes(tmp_path / "docs", skip={9})
+    run_ingest([tmp_path / "docs"], settings, embedder)
+    assert reads == [1]
+    assert set(lexical.load(lexical.index_dir(settings.chroma)).ids) == set(
+        collection_of(settings, embedder).get(include=[])["ids"])
+
+
 def test_a_stale_saved_bm25_index_is_judged_by_its_stamp_alone_never_loaded(tmp_path, settings_factory, embedder,
                                                                            monkeypatch):
     from app.core import lexical
