@@ -159,6 +159,26 @@ def test_bm25_keeps_an_installed_jax_off_the_gpu_and_selects_with_numpy(tmp_path
     assert log.read_text().splitlines() == ["platforms=cpu", "top_k"]
 
 
+def test_a_bm25_search_finds_what_bm25s_retrieve_finds_best_first_ties_in_index_order_within_the_filter():
+    from app.core import lexical
+
+    texts = ["tide tables for the harbour", "the lighthouse keeper logs the tide", "tide tables for the harbour",
+             "harbour pilots board at the buoy", "tide tables for the harbour", "otters eat urchins"]
+    rows = lexical.LexicalRows()
+    rows.add({"ids": [f"c{n}" for n in range(len(texts))], "documents": texts,
+              "metadatas": [{"doc_id": f"d{n}", "source": "ab"[n % 2], "chunk_index": 0, "n_chunks": 1,
+                             "doc_hash": ""} for n in range(len(texts))]})
+    index = rows.index("g")
+    for question in ("tide tables", "harbour buoy", "keeper of otters"):
+        found, scores = index.bm25.retrieve(lexical.tokenize([question]), k=len(texts), show_progress=False)
+        expected = sorted(((float(s), f"c{i}") for i, s in zip(found[0], scores[0]) if s > 0),
+                          key=lambda hit: (-hit[0], int(hit[1][1:])))
+        assert index.search(question, len(texts)) == [(i, s) for s, i in expected]
+    assert [i for i, _ in index.search("tide tables for the harbour", 2)] == ["c0", "c2"]  # a tie cut at k
+    assert [i for i, _ in index.search("tide tables", 6, {"b"})] == ["c1"]
+    assert index.search("harbour", 6, {"nowhere"}) == [] and index.search("of the and", 6) == []
+
+
 def test_the_encoder_goes_to_the_gpu_where_torch_sees_one_unless_told(monkeypatch, embedder):
     import torch
 
