@@ -67,11 +67,11 @@ def run_ingest(roots: list[Path], settings: Settings, embedder: Any, *, prune: b
             result, _ = hashed(path, rel, settings, identity, by_source)
             return result if result.skipped_unchanged else None
 
-        # Stamped as being written before the first write (services drop what they read of the rows, reload at
-        # the end); a Chroma server has no lock to tell a service that the writer died: a plain stamp there.
         # A run on an empty collection builds the indexes from its own writes as they land: none read back at the end.
         written = derived.Builders(settings.pages) if collection is not None and not dry_run \
             and collection.count() == 0 else None
+        # Stamped as being written before the first write (services drop what they read of the rows, reload at
+        # the end); a Chroma server has no lock to tell a service that the writer died: a plain stamp there.
         writer = ChunkWriter(collection, embedder, settings.ingest.write_batch, dry_run, report,
                              before_first_write=lambda: mark_changed(collection, writing=not settings.chroma.url),
                              stored=written.add if written is not None else None)

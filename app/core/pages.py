@@ -124,9 +124,11 @@ def _split(vectors: np.ndarray, ways: int, sampling: np.random.Generator) -> np.
     from sklearn.cluster import KMeans
 
     kmeans = KMeans(n_clusters=ways, n_init=3, random_state=0)
-    if len(vectors) <= FIT_SAMPLE:
-        return kmeans.fit_predict(vectors)  # type: ignore[no-any-return]
-    return kmeans.fit(vectors[sampling.choice(len(vectors), FIT_SAMPLE, replace=False)]).predict(vectors)  # type: ignore[no-any-return]
+    fitted = vectors
+    if len(vectors) > FIT_SAMPLE:
+        fitted = vectors[sampling.choice(len(vectors), FIT_SAMPLE, replace=False)]
+    labels: np.ndarray = kmeans.fit(fitted).predict(vectors)
+    return labels
 
 
 def _pack(leaves: list[list[int]], tokens: np.ndarray, limit: float) -> list[list[int]]:
