@@ -14,8 +14,9 @@ measures at each size:
 
 With ``--write-parts N``, first: rows/s of N such rows written into fresh collections with less of each row (the
 vectors alone; with their metadata; with their texts too, as documents, as ingest wrote them before), once more with
-a schema that turns the texts' full-text index off (the service never searches Chroma's full text), and with each
-text a metadata value instead of a document, as ingest writes them now: what a write costs, by part.
+a schema that turns the texts' full-text index off (the service never searches Chroma's full text), with each
+text a metadata value instead of a document, as ingest writes them now, and with the metadata packed into five keys
+(``PACKED``, a layout not built): what a write costs, by part, and what a read of every row's metadata costs.
 
     python -m bench.chroma_growth --from-chroma /tmp/bs-work/chroma --from-collection scale \\
         --sizes 50000,100000,200000 --out bench/results/chroma-growth-cpu.json
@@ -24,6 +25,7 @@ text a metadata value instead of a document, as ingest writes them now: what a w
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import time
@@ -42,6 +44,8 @@ PARTS = {"vectors": ("embeddings",), "vectors, metadata": ("embeddings", "metada
          "vectors, metadata, texts": ("embeddings", "metadatas", "documents")}
 NO_FULL_TEXT = "vectors, metadata, texts; full-text index off in the schema"
 TEXT_AS_METADATA = "vectors, metadata with the text as one more key, no texts"  # as ingest writes since
+PACKED = "vectors, metadata as 5 keys: the 3 filtered on, the text, the rest as one JSON value"  # not built
+FILTERED_KEYS = ("doc_id", "parent_id", "source")  # the keys the service's `where` filters name
 JITTER = 0.05  # noise per dimension before renormalising: copies stay near their source, not on it
 
 
@@ -88,7 +92,8 @@ def jittered(vectors: np.ndarray, rng: np.random.Generator) -> np.ndarray:
 
 def copies(source: dict[str, Any], start: int, stop: int, rng: np.random.Generator) -> Iterator[dict[str, Any]]:
     """Rows ``start``..``stop`` of the grown collection, a write batch at a time: row n is source row n mod size;
-    each with its text as a document and, apart, its metadata with the text in it (``metadatas_with_text``)."""
+    each with its text as a document and, apart, its metadata with the text in it (``metadatas_with_text``) and
+    packed (``metadatas_packed``)."""
     from app.core.records import TEXT_KEY
 
     size = len(source["documents"])
@@ -98,7 +103,15 @@ def copies(source: dict[str, Any], start: int, stop: int, rng: np.random.Generat
                "embeddings": jittered(source["vectors"][picks], rng),
                "documents": [source["documents"][p] for p in picks],
                "metadatas": [source["metadatas"][p] for p in picks],
-               "metadatas_with_text": [source["metadatas"][p] | {TEXT_KEY: source["documents"][p]} for p in picks]}
+               "metadatas_with_text": [source["metadatas"][p] | {TEXT_KEY: source["documents"][p]} for p in picks],
+               "metadatas_packed": [packed(source["metadatas"][p], source["documents"][p]) for p in picks]}
+
+
+def packed(meta: dict[str, Any], text: str) -> dict[str, Any]:
+    """A row's metadata as ``PACKED`` lays it out: fewer keys, each one more row of Chroma's metadata table."""
+    rest = {key: value for key, value in meta.items() if key not in FILTERED_KEYS}
+    return {key: meta[key] for key in FILTERED_KEYS if key in meta} | {
+        "text": text, "record": json.dumps(rest, separators=(",", ":"))}
 
 
 def grow(collection: Any, source: dict[str, Any], start: int, stop: int, rng: np.random.Generator) -> float:
@@ -112,8 +125,9 @@ def grow(collection: Any, source: dict[str, Any], start: int, stop: int, rng: np
 def write_parts(client: Any, source: dict[str, Any], rows: int, rng: np.random.Generator) -> dict[str, Any]:
     """Rows/s of ``rows`` rows upserted into a fresh collection for each of ``PARTS`` (the fields written), and
     with every field under a schema whose full-text index on the texts is off (``NO_FULL_TEXT``), and with each
-    text a metadata value instead (``TEXT_AS_METADATA``: a layout that never fills the full-text index). Then
-    the seconds a read of every row's metadata takes in each (what pre-warm's plan and the sources list read)."""
+    text a metadata value instead (``TEXT_AS_METADATA``: a layout that never fills the full-text index), and
+    packed (``PACKED``). Then the seconds a read of every row's metadata takes in each (what the inventory, the
+    pages and the sources list read)."""
     from chromadb.api.types import FtsIndexConfig, Schema, VectorIndexConfig
 
     from app.core.store import CONFIGURATION, SPACE, all_rows
@@ -125,13 +139,14 @@ def write_parts(client: Any, source: dict[str, Any], rows: int, rng: np.random.G
         (name, fields, {"configuration": CONFIGURATION}) for name, fields in PARTS.items()]
     plans.append((NO_FULL_TEXT, PARTS["vectors, metadata, texts"], {"schema": no_full_text}))
     plans.append((TEXT_AS_METADATA, ("embeddings", "metadatas_with_text"), {"configuration": CONFIGURATION}))
+    plans.append((PACKED, ("embeddings", "metadatas_packed"), {"configuration": CONFIGURATION}))
     rates: dict[str, float] = {}
     metadata_read_s: dict[str, float] = {}
     for number, (name, fields, made_with) in enumerate(plans):
         collection = client.create_collection(f"parts-{number}", embedding_function=None, **made_with)
         began = time.perf_counter()
         for batch in batches:
-            collection.upsert(ids=batch["ids"], **{field.removesuffix("_with_text"): batch[field] for field in fields})
+            collection.upsert(ids=batch["ids"], **{field.split("_")[0]: batch[field] for field in fields})
         rates[name] = round(rows / (time.perf_counter() - began), 1)
         began = time.perf_counter()
         sum(len(page["ids"]) for page in all_rows(collection, ["metadatas"]))

@@ -216,7 +216,7 @@ def test_chroma_growth_copies_a_stores_rows_into_a_served_collection_and_measure
     result = json.loads(out.read_text())
     assert result["store"] == "chroma run" and [step["rows"] for step in result["steps"]] == [300, 600]
     parts = result["write_parts"]
-    assert parts["rows"] == 300 and len(parts["rows_per_s"]) == 5
+    assert parts["rows"] == 300 and len(parts["rows_per_s"]) == 6
     assert set(parts["metadata_read_s"]) == set(parts["rows_per_s"])
     assert all(rate > 0 for rate in parts["rows_per_s"].values())
     for step in result["steps"]:
@@ -249,4 +249,29 @@ def test_pages_group_times_the_grouping_of_grown_real_parents(tmp_path, settings
     assert [step["parents"] for step in result["steps"]] == [40, 120] and result["store_parents"] > 0
     for step in result["steps"]:
         assert step["pages"] > 1 and step["seconds"] >= 0
+    assert out.with_suffix(".png").stat().st_size > 0
+
+
+def test_lexical_search_times_both_selections_and_finds_them_in_agreement(tmp_path):
+    """bench.lexical_search at a tiny size: a dataset's passages among distractors from a sentence pool, indexed
+    and searched both ways, with and without a source filter; the same scores for every question."""
+    import gzip
+    import json
+
+    from bench.lexical_search import main
+    from tests.support.corpora import paragraphs, tiny_squad
+
+    data = tiny_squad(tmp_path / "squad")
+    pool = tmp_path / "pool.json.gz"
+    pool.write_bytes(gzip.compress(json.dumps(paragraphs()).encode()))
+    out = tmp_path / "lexical.json"
+    assert main(["--data", str(data), "--pool-cache", str(pool), "--documents", "50,400", "--questions", "8",
+                 "--k", "3", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    gold = len((data / "passages.jsonl").read_text().splitlines())
+    assert [step["chunks"] for step in result["steps"]] == [gold + 50, gold + 400] and result["questions"] == 8
+    for step in result["steps"]:
+        for cell in (step["all"], step["half of the sources"]):
+            assert cell["bm25s_ms"]["p50"] > 0 and cell["service_ms"]["p50"] > 0
+            assert cell["agreement"]["different"] == 0 and sum(cell["agreement"].values()) == 8
     assert out.with_suffix(".png").stat().st_size > 0
