@@ -109,9 +109,11 @@ def copies(source: dict[str, Any], start: int, stop: int, rng: np.random.Generat
 
 def packed(meta: dict[str, Any], text: str) -> dict[str, Any]:
     """A row's metadata as ``PACKED`` lays it out: fewer keys, each one more row of Chroma's metadata table."""
+    from app.core.records import TEXT_KEY
+
     rest = {key: value for key, value in meta.items() if key not in FILTERED_KEYS}
     return {key: meta[key] for key in FILTERED_KEYS if key in meta} | {
-        "text": text, "record": json.dumps(rest, separators=(",", ":"))}
+        TEXT_KEY: text, "record": json.dumps(rest, separators=(",", ":"))}
 
 
 def grow(collection: Any, source: dict[str, Any], start: int, stop: int, rng: np.random.Generator) -> float:

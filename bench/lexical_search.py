@@ -48,12 +48,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def corpus(args: argparse.Namespace, documents: int) -> tuple[list[str], list[str]]:
-    """The chunks' texts and sources: the gold passages, then ``documents`` distractors."""
-    from bench.scale import POOL
-    from bench.scale_corpus import distractor, sentence_pool
+def corpus(args: argparse.Namespace, documents: int, pool: list[str]) -> tuple[list[str], list[str]]:
+    """The chunks' texts and sources: the gold passages, then ``documents`` distractors drawn from ``pool``."""
+    from bench.scale_corpus import distractor
 
-    pool = sentence_pool([args.data.parent / name for name in POOL], args.pool_cache)
     rng = random.Random(args.seed)
     texts = [json.loads(line)["text"] for line in (args.data / "passages.jsonl").open(encoding="utf-8")]
     texts += [distractor(rng, pool, n)["text"] for n in range(documents)]
@@ -99,8 +97,8 @@ def agreement(before: list[list[tuple[str, float]]], now: list[list[tuple[str, f
     return {"same": same, "same_scores_other_ties": same_scores, "different": len(now) - same - same_scores}
 
 
-def measure(args: argparse.Namespace, documents: int, questions: list[str]) -> dict[str, Any]:
-    texts, sources = corpus(args, documents)
+def measure(args: argparse.Namespace, documents: int, questions: list[str], pool: list[str]) -> dict[str, Any]:
+    texts, sources = corpus(args, documents, pool)
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as folder:
         index = indexed(texts, sources, Path(folder))
@@ -120,7 +118,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     questions = [json.loads(line)["question"] for line in (args.data / "questions.jsonl").open(encoding="utf-8")]
     questions = questions[:args.questions]
-    steps = [measure(args, int(size), questions) for size in args.documents.split(",")]
+    from bench.scale import POOL
+    from bench.scale_corpus import sentence_pool
+
+    pool = sentence_pool([args.data.parent / name for name in POOL], args.pool_cache)  # read once, for every size
+    steps = [measure(args, int(size), questions, pool) for size in args.documents.split(",")]
     result = {"benchmark": "lexical_search", "command": command_line("bench.lexical_search", argv),
               "environment": environment(), "dataset": args.data.name, "questions": len(questions), "k": args.k,
               "sources": SOURCES, "steps": steps}
